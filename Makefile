@@ -1,0 +1,38 @@
+# Two commands do everything (see README "Quickstart"):
+#   make lab    set up whatever is missing, then open the course in JupyterLab
+#   make test   set up whatever is missing, then run every test (pytest + nbval)
+# Setup is a virtual environment in .venv; it is (re)built when pyproject.toml changes.
+# TORCH_SPEC lets you choose the PyTorch build, e.g. a CPU-only wheel on a laptop:
+#   make lab TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvlib-installed
+TORCH_SPEC ?= torch==2.13.0
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+PYTEST_ARGS ?=
+
+.PHONY: lab test setup labs bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e ".[dev]"
+	@touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+
+# Regenerate labs/ from solutions/ (refuses to overwrite a lab a learner has edited).
+labs: $(STAMP)
+	$(BIN)/python -m kvlib.labs
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,150 @@
+"""Measuring: time a callable, count bytes, measure copy bandwidth, plot curves.
+
+Every curve in the course goes through these few functions, so that all chapters time things
+the same way:
+- ``time_ms(fn)``: median milliseconds per call. On a GPU this is ``triton.testing.do_bench``
+  (CUDA events, L2 flushed between calls); on the CPU, ``time.perf_counter`` around each call
+  after a warm-up, median of the repeats.
+- ``tensor_bytes(obj)``: bytes held by the tensors in a tensor / module / list / dict.
+- ``peak_memory_bytes(fn)``: peak GPU memory allocated while ``fn`` runs (GPU only).
+- ``copy_bandwidth_gbps()``: measured device-to-device copy bandwidth, the roofline that later
+  chapters compare their kernels with ("% of the bandwidth this machine can actually move").
+- ``plot_curves(...)``: a labelled matplotlib figure with units, log axes and the device name.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import lru_cache
+
+import torch
+
+from . import runtime
+
+__all__ = ["time_ms", "tensor_bytes", "peak_memory_bytes", "copy_bandwidth_gbps", "plot_curves", "gbps"]
+
+
+def _sync():
+    if runtime.DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, *, warmup: int = 3, rep: int = 10, min_time_s: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in milliseconds.
+
+    GPU: ``triton.testing.do_bench`` with its own warm-up and repeat budget (25 ms / 100 ms)
+    and a cold L2 cache for every call; ``warmup``/``rep`` apply to the CPU path only.
+    CPU: ``warmup`` untimed calls, then ``rep`` timed calls (more if ``min_time_s`` is not reached).
+    """
+    if runtime.DEVICE == "cuda" and runtime.HAS_TRITON and not runtime.INTERPRETER:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < rep or time.perf_counter() - start < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of tensor storage reachable from ``obj`` (tensor, nn.Module, list/tuple/dict, object
+    with tensor attributes). Tensors sharing one storage are counted once."""
+    seen: set[int] = set()
+    total = 0
+
+    def visit(o):
+        nonlocal total
+        if isinstance(o, torch.Tensor):
+            key = o.untyped_storage().data_ptr() if o.device.type != "meta" else id(o)
+            if key not in seen:
+                seen.add(key)
+                total += o.untyped_storage().nbytes() if o.device.type != "meta" else o.nbytes
+        elif isinstance(o, torch.nn.Module):
+            for t in list(o.parameters()) + list(o.buffers()):
+                visit(t)
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple, set)):
+            for v in o:
+                visit(v)
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            for v in vars(o).values():
+                visit(v)
+
+    visit(obj)
+    return total
+
+
+def peak_memory_bytes(fn) -> int | None:
+    """Peak GPU memory allocated by PyTorch while ``fn()`` runs, above what was allocated before.
+
+    Returns None on the CPU: PyTorch's CPU allocator keeps no peak counter, so CPU chapters count
+    bytes with ``tensor_bytes`` instead (exact for the tensors we create).
+    """
+    if runtime.DEVICE != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    """Bytes moved in ``ms`` milliseconds, as GB/s (1 GB = 1e9 bytes, as GPU data sheets count)."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+@lru_cache(maxsize=None)
+def copy_bandwidth_gbps(nbytes: int | None = None) -> float:
+    """Measured copy bandwidth of this device in GB/s, counting bytes read + bytes written.
+
+    Copies a buffer large enough to defeat caches (1 GiB on a GPU, 256 MiB on the CPU). A GPU
+    data sheet's peak is higher than any real kernel reaches; this number is the fair roofline.
+    """
+    if nbytes is None:
+        nbytes = runtime.by_mode(cpu=256 * 2**20, gpu=2**30)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=runtime.DEVICE).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=2, rep=10)
+    return gbps(2 * src.nbytes, ms)
+
+
+def plot_curves(x, series: dict, *, xlabel: str, ylabel: str, title: str, logx: bool = True,
+                logy: bool = True, device: str | None = None, reference: dict | None = None,
+                reference_device: str | None = None, ax=None, marker: str = "o"):
+    """One labelled figure: each ``series`` is {label: y values over x} (None = not measured).
+
+    ``reference``: optional curves measured elsewhere (e.g. committed results from a real GPU),
+    drawn dashed and labelled with ``reference_device``. The title ends with the device name.
+    Returns the matplotlib Axes.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.2))
+    for label, ys in series.items():
+        pts = [(a, b) for a, b in zip(x, ys) if b is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
+    for label, (rx, ry) in (reference or {}).items():
+        ax.plot(rx, ry, linestyle="--", marker="x", label=f"{label} [{reference_device or 'reference'}]")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\n{device or runtime.device_name()}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax

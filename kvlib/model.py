@@ -1,0 +1,452 @@
+"""A Llama-style decoder in one small file, and a loader for Llama-family checkpoints.
+
+What you will find here:
+- ``ModelConfig``: every size the model needs, one comment per field.
+- ``Transformer``: token embedding -> N x (RMSNorm, attention with RoPE, RMSNorm, SwiGLU MLP)
+  -> RMSNorm -> logits. Attention supports grouped K/V heads (H_KV <= H, H % H_KV == 0).
+- The *seam*: every attention layer produces q, k, v for the new tokens and then hands them to
+  an attention strategy. With ``cache=None`` (chapter 02) the layer attends over exactly the
+  tokens it was given; later chapters pass a cache object (contiguous, paged, int8) that stores
+  k, v and attends over everything stored so far. A cache object only needs one method::
+
+      cache.attend(layer_idx, q, k, v)   # q: (B, H, T, D), k/v: (B, H_KV, T, D) -> (B, H, T, D)
+
+- ``load_hf(path)``: reads ``config.json`` + ``*.safetensors`` written by Hugging Face
+  ``save_pretrained`` for ``LlamaForCausalLM``/``MistralForCausalLM``, without ``transformers``.
+  ``save_hf(model, path)`` writes the same format back (the course's tiny model ships this way).
+
+Shape glossary (used in every file): B batch, H query heads, H_KV key/value heads, T query
+length (new tokens), S cached length, D head dim, C model width (``dim``), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ModelConfig", "Transformer", "load_hf", "save_hf", "CheckpointError"]
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # V: number of token ids (256 for a byte-level tokenizer)
+    dim: int = 256  # C: width of the residual stream (Hugging Face: hidden_size)
+    n_layers: int = 4  # number of transformer blocks
+    n_heads: int = 8  # H: query heads per layer
+    n_kv_heads: int | None = None  # H_KV: key/value heads; None means n_heads (plain MHA)
+    head_dim: int | None = None  # D: size of one head; None means dim // n_heads
+    hidden_dim: int = 688  # inner width of the SwiGLU MLP (Hugging Face: intermediate_size)
+    norm_eps: float = 1e-5  # epsilon inside RMSNorm's square root
+    rope_theta: float = 10000.0  # RoPE base: wavelengths grow geometrically up to 2*pi*theta
+    rope_scaling: dict | None = None  # Llama 3.x long-context RoPE scaling ({"rope_type": "llama3", ...})
+    max_seq_len: int = 2048  # longest sequence the RoPE tables are built for (grown on demand)
+    tie_embeddings: bool = False  # True: the output layer reuses the token embedding matrix
+    attention_bias: bool = False  # bias on q/k/v/o projections (Llama: no)
+    mlp_bias: bool = False  # bias on the MLP projections (Llama: no)
+    extra: dict = field(default_factory=dict, repr=False)  # config.json keys we keep but do not use
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+            self.head_dim = self.dim // self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must be >= 1 and divide n_heads={self.n_heads}"
+            )
+
+    @property
+    def n_rep(self) -> int:
+        """How many query heads share one K/V head (1 for MHA, n_heads for MQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    def num_params(self) -> int:
+        C, D, V = self.dim, self.head_dim, self.vocab_size
+        attn = C * D * (self.n_heads * 2 + self.n_kv_heads * 2)
+        mlp = 3 * C * self.hidden_dim
+        per_layer = attn + mlp + 2 * C
+        return V * C * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + C
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 like the reference Llama code."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/D) for i < D/2, with optional Llama-3 scaling. (D/2,)"""
+    D = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    sc = config.rope_scaling
+    if not sc or sc.get("rope_type", sc.get("type")) in (None, "default"):
+        return inv_freq
+    if sc.get("rope_type", sc.get("type")) != "llama3":
+        raise ValueError(f"rope_scaling {sc!r} is not supported (only 'llama3' and none)")
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, a smooth ramp between.
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old_len = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + D/2]) by the angle of each position ("rotate_half" layout).
+
+    x: (B, H, T, D); cos/sin: (B, T, D) for each token's own position.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        C, D, b = config.dim, config.head_dim, config.attention_bias
+        self.wq = nn.Linear(C, self.n_heads * D, bias=b)
+        self.wk = nn.Linear(C, self.n_kv_heads * D, bias=b)  # only H_KV heads: this is what GQA saves
+        self.wv = nn.Linear(C, self.n_kv_heads * D, bias=b)
+        self.wo = nn.Linear(self.n_heads * D, C, bias=b)
+
+    def forward(self, x, cos, sin, mask, cache):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_KV, T, D)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_KV, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            out = naive_attention(q, k, v, mask)  # (B, H, T, D)
+        else:
+            out = cache.attend(self.layer_idx, q, k, v)  # the seam: chapters 03-07 plug in here
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+def naive_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(D) + mask) v over exactly the tokens given. Chapter 01 explains it.
+
+    q: (B, H, T, D); k, v: (B, H_KV, T, D); mask: (B, 1, T, T) bool, True = may attend.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:  # GQA: each K/V head serves n_rep consecutive query heads
+        k = k.repeat_interleave(n_rep, dim=1)  # (B, H, T, D)
+        v = v.repeat_interleave(n_rep, dim=1)  # (B, H, T, D)
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return probs @ v  # (B, H, T, D)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        C, Hd, b = config.dim, config.hidden_dim, config.mlp_bias
+        self.w_gate = nn.Linear(C, Hd, bias=b)
+        self.w_up = nn.Linear(C, Hd, bias=b)
+        self.w_down = nn.Linear(Hd, C, bias=b)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)  # (D/2,)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_emb.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_emb.weight.dtype
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin of each position's angles, computed in fp32. positions (B, T) -> 2 x (B, T, D)."""
+        if self.inv_freq.dtype != torch.float32:  # model.half() cast it; RoPE angles need fp32
+            self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device)
+        angles = positions.float()[..., None] * self.inv_freq  # (B, T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V) in fp32.
+
+        positions: (B, T) position of each token (default 0..T-1); with a cache, the caller
+            passes where the new tokens sit in each sequence.
+        attention_mask: (B, T) with 1 for real tokens and 0 for padding (left padding in a batch
+            of prompts of different lengths). Only used without a cache; the cache tracks lengths.
+        cache: None, or an object with ``attend(layer_idx, q, k, v)`` (see module docstring).
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be (B, T) token ids, got shape {tuple(ids.shape)}")
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        mask = None
+        if cache is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()[None, None]  # (1, 1, T, T)
+            if attention_mask is not None:
+                keep = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T): padding is never a key
+                diag = torch.eye(T, dtype=torch.bool, device=ids.device)  # ...except for itself, so
+                mask = (mask & keep) | diag  # a padding query's row is not empty (no NaN)
+        x = self.tok_emb(ids)  # (B, T, C)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache)
+        return self.lm_head(self.norm(x)).float()  # (B, T, V)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face Llama checkpoints (safetensors only, no `transformers`)
+# --------------------------------------------------------------------------------------------
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file and the tensor."""
+
+
+def _hf_to_ours(i: int | None = None) -> dict[str, str]:
+    """Map Hugging Face tensor names to this file's parameter names (per layer i, or global)."""
+    if i is None:
+        return {"model.embed_tokens.weight": "tok_emb.weight", "model.norm.weight": "norm.weight",
+                "lm_head.weight": "lm_head.weight"}
+    hf, us = f"model.layers.{i}.", f"layers.{i}."
+    names = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
+             "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
+             "mlp.down_proj": "mlp.w_down"}
+    out = {f"{hf}input_layernorm.weight": f"{us}attn_norm.weight",
+           f"{hf}post_attention_layernorm.weight": f"{us}mlp_norm.weight"}
+    for a, b in names.items():
+        out[f"{hf}{a}.weight"] = f"{us}{b}.weight"
+        out[f"{hf}{a}.bias"] = f"{us}{b}.bias"
+    return out
+
+
+def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
+    """Translate a Hugging Face Llama/Mistral config.json dict into a ModelConfig."""
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and cfg.get("model_type") not in ("llama", "mistral"):
+        raise CheckpointError(
+            f"{source}: architecture {archs} is not a Llama-family model; "
+            f"load_hf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if cfg.get("sliding_window") not in (None, 0) and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+        raise CheckpointError(f"{source}: sliding_window={cfg['sliding_window']} attention is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act={cfg['hidden_act']!r}, expected 'silu'")
+    try:
+        known = dict(
+            vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"), hidden_dim=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(cfg),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False), mlp_bias=cfg.get("mlp_bias", False),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: required key {e.args[0]!r} is missing") from None
+    known["extra"] = {k: v for k, v in cfg.items() if k not in _HF_KEYS_USED}
+    return ModelConfig(**known)
+
+
+_HF_KEYS_USED = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+                 "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias"}
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    sc = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not sc or sc.get("rope_type", sc.get("type", "default")) == "default":
+        return None
+    return sc
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """The inverse of config_from_hf: a config.json that transformers' LlamaForCausalLM reads."""
+    cfg = dict(config.extra)
+    cfg.update(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=config.vocab_size,
+        hidden_size=config.dim, num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, intermediate_size=config.hidden_dim,
+        rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
+        max_position_embeddings=config.max_seq_len, tie_word_embeddings=config.tie_embeddings,
+        attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, hidden_act="silu",
+        torch_dtype="float32",
+    )
+    return cfg
+
+
+def _resolve(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise CheckpointError(f"{p}: expected a folder holding config.json and *.safetensors, got a file")
+    looks_like_hub_id = isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise CheckpointError(
+                f"{path!r} is not a local folder, and huggingface_hub is not installed to download it"
+            ) from None
+        return Path(snapshot_download(path, allow_patterns=["config.json", "*.safetensors", "*.json"]))
+    raise CheckpointError(f"{p}: no such folder")
+
+
+def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """Load a Llama-family checkpoint saved by Hugging Face ``save_pretrained`` (safetensors only).
+
+    ``path`` is a local folder with ``config.json`` and one or several ``*.safetensors`` files
+    (sharded checkpoints work). A hub id such as ``"HuggingFaceTB/SmolLM2-135M"`` is downloaded
+    first when ``huggingface_hub`` is installed and the network allows it.
+    """
+    from safetensors import safe_open
+
+    folder = _resolve(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{folder}: config.json is missing (expected a Hugging Face model folder)")
+    config = config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = sorted(f.name for f in folder.iterdir())
+        raise CheckpointError(
+            f"{folder}: no *.safetensors file (found {found}); pickled .bin checkpoints are not loaded"
+        )
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {n: p for n, p in model.state_dict().items()}
+    names = _hf_to_ours()
+    for i in range(config.n_layers):
+        names.update(_hf_to_ours(i))
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for hf_name in st.keys():
+                ours = names.get(hf_name)
+                if ours is None or ours not in expected:
+                    if hf_name.endswith("rotary_emb.inv_freq"):
+                        continue  # some old checkpoints store the RoPE table; we recompute it
+                    raise CheckpointError(f"{f.name}: unexpected tensor {hf_name!r} for this config")
+                t = st.get_tensor(hf_name)
+                want = tuple(expected[ours].shape)
+                if tuple(t.shape) != want:
+                    raise CheckpointError(
+                        f"{f.name}: tensor {hf_name!r} has shape {tuple(t.shape)}, expected {want} "
+                        f"from config.json"
+                    )
+                state[ours] = t.to(dtype)
+    if config.tie_embeddings:
+        state.setdefault("lm_head.weight", state.get("tok_emb.weight"))
+        if state["lm_head.weight"] is None:
+            state.pop("lm_head.weight")
+    missing = [n for n in expected if n not in state]
+    if missing:
+        inverse = {v: k for k, v in names.items()}
+        miss = [inverse.get(n, n) for n in missing]
+        raise CheckpointError(
+            f"{folder}: missing tensor(s) {miss[:5]}{' ...' if len(miss) > 5 else ''} "
+            f"(expected shape {tuple(expected[missing[0]].shape)} for {miss[0]!r}) in {[f.name for f in files]}"
+        )
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True, assign=False)
+    model.inv_freq = rope_frequencies(config).to(device)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    return model.to(dtype).eval()
+
+
+def save_hf(model: Transformer, path: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the Hugging Face Llama layout."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    ours_to_hf = {v: k for k, v in _hf_to_ours().items()}
+    for i in range(model.config.n_layers):
+        ours_to_hf.update({v: k for k, v in _hf_to_ours(i).items()})
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_embeddings:
+            continue  # stored once, as the embedding
+        tensors[ours_to_hf[name]] = t.detach().to("cpu").contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+    return folder
+
+
+def config_dict(config: ModelConfig) -> dict:
+    """The config as a plain dict (for printing in notebooks)."""
+    d = asdict(config)
+    d.pop("extra")
+    return d

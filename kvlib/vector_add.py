@@ -1,0 +1,69 @@
+"""A first Triton kernel: out = x + y.
+
+What you will learn (notebook 00):
+- a Triton *program* handles one tile of TILE elements; the *grid* says how many programs run;
+- ``tl.program_id`` tells a program which tile is its own, ``tl.arange`` gives its offsets;
+- the last tile is usually partly outside the tensor, so loads and stores take a *mask*;
+- the host wrapper checks its inputs and builds the grid; the kernel trusts it.
+"""
+
+import torch
+
+from . import runtime
+from ._triton import tl, triton
+
+
+def add_ref(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The PyTorch reference, written with the same loop structure as the kernel."""
+    out = torch.empty_like(x)
+    TILE = 1024
+    for start in range(0, x.numel(), TILE):  # one iteration = one Triton program
+        end = min(start + TILE, x.numel())  # the mask: stop at the end of the tensor
+        out.view(-1)[start:end] = x.view(-1)[start:end] + y.view(-1)[start:end]
+    return out
+
+
+@triton.jit
+def add_kernel(
+    x_ptr,  # pointer to the first element of x
+    y_ptr,  # pointer to the first element of y
+    out_ptr,  # pointer to the first element of the output
+    n_elements,  # how many elements x, y and out hold
+    TILE: tl.constexpr,  # elements per program (a power of two, known at compile time)
+):
+    pid = tl.program_id(axis=0)  # which tile this program owns
+    offsets = pid * TILE + tl.arange(0, TILE)  # (TILE,) element indices of that tile
+    mask = offsets < n_elements  # False past the end of the tensor (last tile only)
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + y, mask=mask)
+
+
+def add(x: torch.Tensor, y: torch.Tensor, tile: int = 1024) -> torch.Tensor:
+    """x + y with the Triton kernel (interpreter on CPU, compiled on a GPU)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise TypeError(f"x and y must be torch tensors, got {type(x).__name__} and {type(y).__name__}")
+    if x.shape != y.shape:
+        raise ValueError(f"y must have x's shape {tuple(x.shape)}, got {tuple(y.shape)}")
+    if x.dtype != y.dtype:
+        raise ValueError(f"y must have x's dtype {x.dtype}, got {y.dtype}")
+    if x.device != y.device:
+        raise ValueError(f"y must be on x's device {x.device}, got {y.device}")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if not runtime.require_triton("vector_add.add"):
+        return add_ref(x, y)
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    grid = (triton.cdiv(n, tile),)  # enough programs to cover every element
+    add_kernel[grid](x, y, out, n, TILE=tile)
+    return out
+
+
+# How tests/test_compile.py builds this kernel for sm_80 and sm_90 without a GPU.
+COMPILE_SPECS = [
+    dict(kernel=add_kernel, signature={"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
+                                       "n_elements": "i32", "TILE": "constexpr"},
+         constexprs={"TILE": 1024}),
+]
