@@ -36,9 +36,16 @@ def _cuda_available() -> bool:
         return False
 
 
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        return False
+
+
 _GPU = _cuda_available()
 DEVICE: str = "cuda" if _GPU else "cpu"
-HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
+HAS_TRITON: bool = _triton_installed()
 
 if HAS_TRITON and not _GPU and "TRITON_INTERPRET" not in os.environ:
     if "triton" in sys.modules:
