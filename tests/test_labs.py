@@ -1,0 +1,401 @@
+"""Tests for the labs system (kvlib.labs) and the learners' checker (kvlib.check)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from kvlib import labs
+from kvlib.check import check, check_fn
+from kvlib.labs import LabEditedError, generate, lab_is_current, render_lab
+
+REPO = Path(__file__).resolve().parent.parent
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+SOLUTION_FN = """\
+import torch
+
+def softmax_rows(x):
+    # BEGIN SOLUTION (hint: use torch.softmax)
+    # subtracting the max is what torch does too
+    z = x - x.max(dim=-1, keepdim=True).values
+
+    e = z.exp()
+    return e / e.sum(dim=-1, keepdim=True)
+    # END SOLUTION
+
+print("defined")"""
+
+
+def notebook(*cells):
+    return new_notebook(cells=list(cells), metadata={"kernelspec": KERNELSPEC})
+
+
+def save(nb, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        nbformat.write(nb, f)
+    return path
+
+
+def load(path: Path):
+    return nbformat.read(path, as_version=4)
+
+
+def executed(cell, count=1, text="out\n"):
+    """A code cell as if it had been run."""
+    cell.execution_count = count
+    cell.outputs = [new_output("stream", name="stdout", text=text)]
+    return cell
+
+
+@pytest.fixture
+def course(tmp_path):
+    """A tiny course: solutions/ with two notebooks, labs/ not generated yet."""
+    solutions = tmp_path / "solutions"
+    save(notebook(new_markdown_cell("# Softmax"), executed(new_code_cell(SOLUTION_FN))),
+         solutions / "01_softmax.ipynb")
+    save(notebook(new_code_cell("x = 1\n# BEGIN SOLUTION\ny = x + 1\n# END SOLUTION")),
+         solutions / "02_add.ipynb")
+    return solutions, tmp_path / "labs"
+
+
+# ---------------------------------------------------------------- rendering (pure) -------------
+
+
+def test_stub_keeps_indentation_counts_lines_and_includes_hint():
+    lab = render_lab(notebook(new_code_cell(SOLUTION_FN)))
+    src = lab.cells[0].source
+    assert src == (
+        "import torch\n"
+        "\n"
+        "def softmax_rows(x):\n"
+        "    # TODO: your code here (about 3 lines)\n"
+        '    raise NotImplementedError("Exercise: write this part (about 3 lines). '
+        'Hint: use torch.softmax")\n'
+        "\n"
+        'print("defined")'
+    )
+    # The lab still runs up to the exercise, and the exercise raises with the hint.
+    namespace = {}
+    exec(src, namespace)
+    with pytest.raises(NotImplementedError, match="Hint: use torch.softmax"):
+        namespace["softmax_rows"](torch.zeros(2))
+
+
+def test_several_regions_per_cell_and_per_notebook_without_leaking():
+    cell_a = new_code_cell(
+        "a = 1\n# BEGIN SOLUTION\nb = a + 1\n# END SOLUTION\n"
+        "for i in range(3):\n        # BEGIN SOLUTION (hint: a \"quoted\" hint)\n"
+        "        b += i\n        # END SOLUTION\nprint(b)"
+    )
+    cell_b = new_code_cell("  # begin solution\n  secret = 42\n  # End Solution")  # any case
+    lab = render_lab(notebook(cell_a, cell_b))
+    a, b = lab.cells[0].source, lab.cells[1].source
+    assert a.splitlines() == [
+        "a = 1",
+        "# TODO: your code here (about 1 line)",
+        'raise NotImplementedError("Exercise: write this part (about 1 line).")',
+        "for i in range(3):",
+        "        # TODO: your code here (about 1 line)",
+        '        raise NotImplementedError("Exercise: write this part (about 1 line). '
+        'Hint: a \\"quoted\\" hint")',
+        "print(b)",
+    ]
+    compile(a, "lab", "exec")  # the quotes in the hint are escaped properly
+    assert b.startswith("  # TODO: your code here (about 1 line)\n  raise NotImplementedError(")
+    for text in (a, b):
+        assert "SOLUTION" not in text and "b = a + 1" not in text and "secret" not in text
+
+
+def test_outputs_cleared_markdown_copied_and_solution_only_dropped():
+    markdown = new_markdown_cell("Text with `# BEGIN SOLUTION` is left alone in markdown.")
+    plain = executed(new_code_cell("import torch\nprint('hello')"), count=3)
+    assertion = new_code_cell("assert softmax_rows", metadata={"tags": ["solution-only"]})
+    solution = notebook(markdown, plain, executed(new_code_cell(SOLUTION_FN), count=4), assertion)
+    before = json.dumps(solution, sort_keys=True)
+
+    lab = render_lab(solution, source="solutions/x.ipynb")
+
+    assert json.dumps(solution, sort_keys=True) == before  # the input is not modified
+    assert [c.cell_type for c in lab.cells] == ["markdown", "code", "code"]  # assertion dropped
+    assert lab.cells[0].source == markdown.source
+    assert lab.cells[1].source == plain.source
+    for cell in lab.cells[1:]:
+        assert cell.outputs == [] and cell.execution_count is None
+    assert lab.metadata.kernelspec == KERNELSPEC
+    meta = lab.metadata.kvlib_lab
+    assert meta["source"] == "solutions/x.ipynb"
+    assert len(meta["generated_hash"]) == 64
+
+
+def test_hash_ignores_outputs_but_not_sources():
+    lab = render_lab(notebook(new_code_cell(SOLUTION_FN)))
+    ran = executed(lab.cells[0])
+    assert labs._cells_hash([ran]) == lab.metadata.kvlib_lab["generated_hash"]
+    ran.source += "\nprint('mine')"
+    assert labs._cells_hash([ran]) != lab.metadata.kvlib_lab["generated_hash"]
+
+
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("x = 1\n# END SOLUTION", "without a '# BEGIN SOLUTION'"),
+        ("# BEGIN SOLUTION\nx = 1", "has no '# END SOLUTION'"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\nx = 1\n# END SOLUTION\n# END SOLUTION", "nested"),
+        ("# BEGIN SOLUTION: use softmax\nx = 1\n# END SOLUTION", "malformed"),
+    ],
+)
+def test_unbalanced_markers_raise_naming_file_and_cell(tmp_path, source, problem):
+    solutions = tmp_path / "solutions"
+    save(notebook(new_markdown_cell("intro"), new_code_cell(source)), solutions / "bad.ipynb")
+    with pytest.raises(ValueError) as err:
+        generate(solutions, tmp_path / "labs")
+    message = str(err.value)
+    assert "solutions/bad.ipynb" in message and "cell 1" in message and problem in message
+    assert not (tmp_path / "labs" / "bad.ipynb").exists()
+
+
+def test_markers_that_would_break_the_syntax_are_refused():
+    source = "total = sum([\n    # BEGIN SOLUTION\n    1, 2,\n    # END SOLUTION\n])"
+    with pytest.raises(ValueError, match="not valid Python"):
+        render_lab(notebook(new_code_cell(source)), source="solutions/s.ipynb")
+
+
+# ---------------------------------------------------------------- files ------------------------
+
+
+def test_generate_writes_labs_and_is_byte_identical_when_repeated(course):
+    solutions, lab_dir = course
+    written = generate(solutions, lab_dir)
+    assert sorted(p.name for p in written) == ["01_softmax.ipynb", "02_add.ipynb"]
+    first = {p: p.read_bytes() for p in written}
+    mtimes = {p: p.stat().st_mtime_ns for p in written}
+    for path, data in first.items():
+        assert data.endswith(b"\n")
+        assert lab_is_current(solutions / path.name, path)
+        assert load(path).metadata.kvlib_lab["source"] == f"solutions/{path.name}"
+
+    assert generate(solutions, lab_dir) == []  # nothing changed: nothing written
+    for path, data in first.items():
+        assert path.read_bytes() == data
+        assert path.stat().st_mtime_ns == mtimes[path]
+
+    # Rendering from scratch in another folder gives the same bytes too.
+    other = generate(solutions, lab_dir.parent / "labs_again")
+    for path in other:
+        assert path.read_bytes() == first[lab_dir / path.name]
+
+
+def test_edited_lab_is_refused_and_nothing_is_written(course):
+    solutions, lab_dir = course
+    generate(solutions, lab_dir)
+    softmax_lab, add_lab = lab_dir / "01_softmax.ipynb", lab_dir / "02_add.ipynb"
+
+    # A learner fills in the softmax exercise...
+    nb = load(softmax_lab)
+    nb.cells[1].source = nb.cells[1].source.replace("raise NotImplementedError", "return x  #")
+    save(nb, softmax_lab)
+    edited_bytes, add_bytes = softmax_lab.read_bytes(), add_lab.read_bytes()
+    # ...and the teacher changes both solutions.
+    for path in solutions.glob("*.ipynb"):
+        sol = load(path)
+        sol.cells.append(new_markdown_cell("New paragraph."))
+        save(sol, path)
+
+    with pytest.raises(LabEditedError) as err:
+        generate(solutions, lab_dir)
+    assert isinstance(err.value, RuntimeError)
+    assert err.value.paths == [softmax_lab]
+    message = str(err.value)
+    assert str(softmax_lab) in message and "--force" in message and "move" in message
+    assert softmax_lab.read_bytes() == edited_bytes  # the learner's work is untouched
+    assert add_lab.read_bytes() == add_bytes  # and the other lab was not written either
+    assert not lab_is_current(solutions / "02_add.ipynb", add_lab)
+
+    written = generate(solutions, lab_dir, force=True)
+    assert sorted(written) == [softmax_lab, add_lab]
+    assert lab_is_current(solutions / "01_softmax.ipynb", softmax_lab)
+    assert lab_is_current(solutions / "02_add.ipynb", add_lab)
+
+
+def test_lab_without_metadata_counts_as_edited(course):
+    solutions, lab_dir = course
+    generate(solutions, lab_dir)
+    lab = lab_dir / "02_add.ipynb"
+    nb = load(lab)
+    nb.cells.append(new_code_cell("my_own = 1"))
+    del nb.metadata["kvlib_lab"]
+    save(nb, lab)
+    with pytest.raises(LabEditedError, match="02_add.ipynb"):
+        generate(solutions, lab_dir)
+
+
+def test_executed_but_unedited_lab_is_regenerated(course):
+    solutions, lab_dir = course
+    generate(solutions, lab_dir)
+    lab = lab_dir / "01_softmax.ipynb"
+    nb = load(lab)
+    executed(nb.cells[1], count=7, text="defined\n")
+    save(nb, lab)
+    assert not lab_is_current(solutions / lab.name, lab)  # outputs make it differ...
+
+    sol = load(solutions / lab.name)
+    sol.cells[0].source = "# Softmax, revised"
+    save(sol, solutions / lab.name)
+    assert generate(solutions, lab_dir) == [lab]  # ...but running it is not editing it
+    assert lab_is_current(solutions / lab.name, lab)
+    assert load(lab).cells[0].source == "# Softmax, revised"
+
+
+def test_cli_check_and_generate(course, monkeypatch, capsys):
+    solutions, lab_dir = course
+    monkeypatch.chdir(solutions.parent)
+    assert labs.main(["--check"]) == 1
+    assert "missing" in capsys.readouterr().out
+
+    assert labs.main([]) == 0
+    assert capsys.readouterr().out.count("written") == 2
+    assert labs.main([]) == 0
+    assert capsys.readouterr().out.count("unchanged") == 2
+    assert labs.main(["--check"]) == 0
+
+    save(notebook(new_code_cell("raise NotImplementedError")), lab_dir / "99_orphan.ipynb")
+    assert labs.main(["--check"]) == 1
+    assert "no solution" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the committed course --------
+
+
+def test_committed_labs_are_current():
+    solutions = sorted((REPO / "solutions").glob("*.ipynb"))
+    assert solutions, (
+        "solutions/ has no notebooks, but the course ships at least one lab "
+        "(e.g. solutions/00_setup_lab.ipynb)"
+    )
+    stale = [
+        s.name for s in solutions if not lab_is_current(s, REPO / "labs" / s.name)
+    ]
+    assert not stale, f"labs out of date or missing: {stale}; run `make labs` and commit labs/"
+
+
+def test_committed_labs_are_clean_and_have_solutions():
+    for lab in sorted((REPO / "labs").glob("*.ipynb")):
+        assert (REPO / "solutions" / lab.name).exists(), f"{lab.name} has no solution notebook"
+        nb = load(lab)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{lab.name} has outputs"
+        assert any(
+            "raise NotImplementedError(" in cell.source for cell in nb.cells
+        ), f"{lab.name} has no exercise stub"
+
+
+# ---------------------------------------------------------------- the checker ------------------
+
+
+def test_check_pass_prints_report(capsys):
+    x = torch.arange(6.0).reshape(2, 3)
+    assert check(x, x.clone(), name="scores") is True
+    out = capsys.readouterr().out
+    assert out.startswith("scores: yours vs reference")
+    assert "(2, 3)" in out and "torch.float32" in out and "max |difference| 0" in out
+    assert "PASS ✓" in out
+
+
+def test_check_accepts_numbers_lists_and_numpy(capsys):
+    np = pytest.importorskip("numpy")
+    assert check(3, 3)
+    assert check(np.ones(3, dtype=np.float32), torch.ones(3))
+    assert check((torch.ones(2), torch.zeros(1)), [torch.ones(2), torch.zeros(1)])
+
+
+def test_check_shape_mismatch(capsys):
+    with pytest.raises(AssertionError) as err:
+        check(torch.zeros(3, 2), torch.zeros(2, 3), hint="transpose?")
+    report = str(err.value)
+    assert "(3, 2)" in report and "(2, 3)" in report and "FAIL ✗" in report
+    assert "Hint: transpose?" in report
+    assert "FAIL ✗" in capsys.readouterr().out  # printed as well as raised
+
+
+def test_check_value_mismatch_reports_worst_index():
+    ref = torch.zeros(2, 8)
+    yours = ref.clone()
+    yours[1, 6] = 0.5
+    with pytest.raises(AssertionError) as err:
+        check(yours, ref, name="out")
+    report = str(err.value)
+    assert "max |difference| 0.5 at index [1, 6]" in report
+    assert "[1, 3:8]" in report  # a few values of each side around the worst one
+    assert report.endswith("FAIL ✗")
+
+
+def test_check_dtype_mismatch_fails_even_if_values_match():
+    with pytest.raises(AssertionError, match="dtype") as err:
+        check(torch.ones(4, dtype=torch.float16), torch.ones(4))
+    assert "max |difference|" in str(err.value)
+
+
+def test_check_within_tolerance_passes_and_report_is_deterministic(capsys):
+    ref = torch.linspace(0, 1, 10)
+    check(ref + 1e-7, ref)
+    first = capsys.readouterr().out
+    check(ref + 1e-7, ref)
+    assert capsys.readouterr().out == first
+    assert "0x" not in first  # no addresses
+
+
+@pytest.mark.parametrize("missing", [None, NotImplemented])
+def test_check_not_written_yet(missing):
+    with pytest.raises(AssertionError, match="not written yet"):
+        check(missing, torch.zeros(1))
+
+
+def test_check_fn(capsys):
+    def mine(x):
+        raise NotImplementedError("Exercise: write this part (about 1 line).")
+
+    with pytest.raises(NotImplementedError):
+        check_fn(mine, torch.exp, torch.zeros(3))
+    assert "mine: not written yet — fill in the TODO" in capsys.readouterr().out
+
+    def my_exp(x):
+        return x.exp()
+
+    assert check_fn(my_exp, torch.exp, torch.zeros(3))
+    assert "my_exp: yours vs reference" in capsys.readouterr().out
+
+
+def test_check_fn_gives_each_side_its_own_arguments():
+    def mine(cache, x):  # appends in place, as a KV cache does
+        cache.append(x)
+        return torch.stack(cache)
+
+    def reference(cache, x):
+        return torch.stack(cache + [x])
+
+    cache = [torch.zeros(2)]
+    assert check_fn(mine, reference, cache, torch.ones(2))
+
+
+def test_each_lab_runs_until_its_first_exercise_stub(tmp_path):
+    """A lab must work up to its first TODO: the first error a learner meets is the stub's
+    NotImplementedError, never an import error or a broken cell before it."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    labs = sorted((REPO / "labs").glob("*.ipynb"))
+    assert labs, "no labs to run"
+    for lab in labs:
+        nb = nbformat.read(lab, as_version=4)
+        client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+        with pytest.raises(CellExecutionError) as err:
+            client.execute()
+        assert err.value.ename == "NotImplementedError", f"{lab.name}: first error is {err.value.ename}"
