@@ -1,0 +1,149 @@
+"""The tiny model's training text, built on the spot from what every Python install carries.
+
+We commit no third-party prose. Instead ``build_corpus()`` collects, from the Python standard
+library of the machine it runs on:
+- the docstrings of its modules, classes, functions and methods (``inspect.getdoc``), and
+- the help topics of ``pydoc_data.topics`` (the text behind ``help("if")``, ``help("FORMATTING")``),
+keeps ASCII ones longer than 40 characters, drops duplicates, and joins them in a fixed order, each
+document followed by the end-of-text byte. ``split_corpus`` holds out every 20th document for
+validation (documents, not characters, so no text leaks across the split).
+
+``ByteTokenizer`` maps text to UTF-8 bytes: 256 token ids, nothing to learn, nothing to download.
+Id 0 (the NUL byte, absent from the corpus) doubles as end-of-text (``eos_id``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import inspect
+import io
+import pkgutil
+import sys
+import warnings
+
+import torch
+
+# Modules that open windows or browsers, print on import, are huge test suites, or are deprecated shims.
+SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "lib2to3",
+        "ensurepip", "test", "pydoc_data", "xxsubtype", "msilib", "winreg", "winsound", "_msi",
+        "msvcrt", "nturl2path", "distutils", "asyncio.__main__", "sqlite3.__main__", "venv",
+        "unittest.__main__", "json.tool", "ctypes.wintypes", "encodings", "idlelib", "zipapp"}
+BOILERPLATE = ("Initialize self.", "Create and return a new object.", "Return repr(self).",
+               "Implement ", "Return self", "Helper for pickle.", "Return hash(self).", "Return str(self).",
+               "Default object formatter.", "Size of object in memory", "Abstract classes can override")
+
+
+class ByteTokenizer:
+    """Text <-> UTF-8 byte ids. vocab_size 256; id 0 (NUL) is end-of-text."""
+
+    vocab_size = 256
+    eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+
+    def __repr__(self):
+        return "ByteTokenizer(vocab_size=256, eos_id=0)"
+
+
+def _quiet_import(name):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            return importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a module that fails to import is simply skipped
+            return None
+
+
+def _stdlib_module_names() -> list[str]:
+    names = set()
+    for top in sorted(sys.stdlib_module_names):
+        if top.startswith("_") or top in SKIP:
+            continue
+        mod = _quiet_import(top)
+        if mod is None:
+            continue
+        names.add(top)
+        if hasattr(mod, "__path__"):  # a package: walk its submodules too
+            for info in pkgutil.walk_packages(mod.__path__, prefix=top + "."):
+                last = info.name.rsplit(".", 1)[-1]
+                if last.startswith("_") or "test" in info.name or info.name in SKIP:
+                    continue
+                names.add(info.name)
+    return sorted(names)
+
+
+def _docstrings(mod) -> list[str]:
+    objs = [mod]
+    for _, obj in sorted(vars(mod).items()):
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isclass(obj):
+            objs.append(obj)
+            objs.extend(m for _, m in sorted(vars(obj).items()) if inspect.isfunction(m) or inspect.ismethod(m))
+        elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            objs.append(obj)
+    out = []
+    for o in objs:
+        try:
+            doc = o.__doc__ if isinstance(o.__doc__, str) else None
+            doc = inspect.cleandoc(doc) if doc else None
+        except Exception:  # noqa: BLE001
+            doc = None
+        if doc:
+            out.append(doc)
+    return out
+
+
+def _builtin_docstrings() -> list[str]:
+    import builtins
+
+    out = []
+    for _, obj in sorted(vars(builtins).items()):
+        if inspect.isclass(obj) or inspect.isbuiltin(obj):
+            out.append(inspect.getdoc(obj) or "")
+            if inspect.isclass(obj):
+                out.extend(inspect.getdoc(m) or "" for _, m in sorted(vars(obj).items()) if callable(m))
+    return out
+
+
+def build_corpus() -> list[str]:
+    """The documents, in a fixed order (builtins, then modules by name, then help topics)."""
+    docs = _builtin_docstrings()
+    for name in _stdlib_module_names():
+        mod = sys.modules.get(name) or _quiet_import(name)
+        if mod is not None:
+            docs.extend(_docstrings(mod))
+    from pydoc_data.topics import topics
+
+    docs.extend(topics[k] for k in sorted(topics))
+    seen, keep = set(), []
+    for d in docs:
+        d = d.strip()
+        if len(d) < 40 or not d.isascii() or "\x00" in d or d.startswith(BOILERPLATE) or d in seen:
+            continue
+        seen.add(d)
+        keep.append(d)
+    return keep
+
+
+def split_corpus(docs: list[str], every: int = 20) -> tuple[str, str]:
+    """(train text, validation text): every ``every``-th document is held out. Each document ends
+    with the end-of-text byte so the model learns where documents stop."""
+    train = [d for i, d in enumerate(docs) if i % every]
+    val = [d for i, d in enumerate(docs) if i % every == 0]
+    eos = chr(ByteTokenizer.eos_id)
+    return eos.join(train) + eos, eos.join(val) + eos
+
+
+def fingerprint(text: str) -> str:
+    """Short hash of a text, recorded in the model card so a rebuilt corpus can be compared."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
