@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ModelConfig", "Transformer", "load_hf", "save_hf", "CheckpointError"]
+__all__ = ["ModelConfig", "Transformer", "load_hf", "save_hf", "load_tiny", "CheckpointError"]
 
 
 @dataclass
@@ -450,3 +450,23 @@ def config_dict(config: ModelConfig) -> dict:
     d = asdict(config)
     d.pop("extra")
     return d
+
+
+# --------------------------------------------------------------------------------------------
+# The course's tiny trained model
+# --------------------------------------------------------------------------------------------
+
+TINY_DIR = Path(__file__).parent / "assets" / "tiny"
+
+
+def load_tiny(dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    """The bundled byte-level model trained by ``python -m kvlib.train`` -> (model, tokenizer).
+
+    See ``kvlib/assets/tiny/MODEL_CARD.md`` for its corpus, size and measured losses.
+    """
+    from . import runtime
+    from .corpus import ByteTokenizer
+
+    if not (TINY_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{TINY_DIR}/model.safetensors is missing; train it with `python -m kvlib.train`")
+    return load_hf(TINY_DIR, dtype=dtype, device=device or runtime.DEVICE), ByteTokenizer()

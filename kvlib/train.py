@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import ByteTokenizer, build_corpus, fingerprint, split_corpus
-from .model import ModelConfig, Transformer, save_hf
+from .model import TINY_DIR, ModelConfig, Transformer, save_hf
 
-TINY_DIR = Path(__file__).parent / "assets" / "tiny"
 TINY_CONFIG = ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=8, hidden_dim=688,
                           max_seq_len=1024, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
 PROMPTS = ["Return the ", "This module provides ", "class ", "If the optional argument ", "The socket "]

@@ -1,0 +1,100 @@
+"""Autoregressive generation: the naive loop (chapter 02).
+
+``generate_naive`` is the plainest possible decoder: at every step it runs the model over the
+*whole* sequence so far (prompt + everything generated), keeps only the last position's logits,
+picks the next token and appends it. Step t therefore re-computes the keys and values of all t
+earlier tokens, which never changed — chapter 03's KV cache removes exactly that waste.
+
+Shared by every generator in the course (so they can be compared token for token):
+- ``pad_prompts``: a batch of prompts of different lengths, left-padded, with an attention mask and
+  each token's position (padding does not count as a position);
+- ``sample_next``: greedy (temperature 0) or seeded temperature / top-k sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["generate_naive", "pad_prompts", "sample_next"]
+
+
+def pad_prompts(prompts, pad_id: int = 0, device=None):
+    """Left-pad prompts to one length.
+
+    prompts: a (B, T) LongTensor, or a list of B token-id lists (lengths may differ).
+    Returns ids (B, T_max), attention_mask (B, T_max) with 1 for real tokens, positions (B, T_max)
+    counting real tokens only (0 for the first real token of each prompt).
+    """
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be a (B, T) integer tensor, got {tuple(prompts.shape)} {prompts.dtype}")
+        prompts = prompts.tolist()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("ids must hold at least one prompt, each with at least one token")
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[b, T - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token per row of ``logits`` (B, V) -> (B,). Greedy when temperature == 0."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # sample on the CPU so that a seed gives the same tokens on every device
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def _check_sampling(temperature, top_k):
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+
+
+@torch.no_grad()
+def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+                   seed: int | None = None, eos_id: int | None = None, progress: bool = False) -> torch.Tensor:
+    """Generate up to ``max_new_tokens`` tokens per prompt by re-running the whole prefix each step.
+
+    ids: a (B, T) LongTensor or a list of token-id lists of different lengths (left-padded).
+    temperature 0 (default) is greedy; otherwise seeded sampling (``seed``), optionally top-k.
+    A sequence that emits ``eos_id`` is finished: it gets ``eos_id`` from then on, and the loop stops
+    when all are finished. Returns the new tokens only, (B, N) with N <= max_new_tokens.
+    """
+    _check_sampling(temperature, top_k)
+    device = model.device
+    seq, mask, positions = pad_prompts(ids, pad_id=0, device=device)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    done = torch.zeros(seq.shape[0], dtype=torch.bool, device=device)
+    new_tokens = []
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="naive decoding", leave=False)
+    for _ in steps:
+        logits = model(seq, positions=positions, attention_mask=mask)[:, -1]  # (B, V): only the last row is used
+        nxt = sample_next(logits, temperature, top_k, generator)  # (B,)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        new_tokens.append(nxt)
+        seq = torch.cat([seq, nxt[:, None]], dim=1)  # (B, T + 1): the whole prefix goes in again next step
+        mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], dim=1)
+        positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    if not new_tokens:
+        return torch.empty(seq.shape[0], 0, dtype=torch.long, device=device)
+    return torch.stack(new_tokens, dim=1)

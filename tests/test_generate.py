@@ -1,0 +1,94 @@
+"""The naive decoding loop: greedy by hand, ragged batches, seeded sampling, EOS."""
+
+import pytest
+import torch
+
+from kvlib.generate import generate_naive, pad_prompts, sample_next
+from kvlib.model import ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   hidden_dim=128)).eval()
+
+
+def greedy_by_hand(model, prompt, n):
+    ids = torch.tensor([prompt])
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_a_hand_written_loop(model):
+    prompt = [5, 9, 1, 33, 7]
+    out = generate_naive(model, torch.tensor([prompt]), 12)
+    assert out.shape == (1, 12)
+    assert out[0].tolist() == greedy_by_hand(model, prompt, 12)
+
+
+def test_ragged_batch_gives_each_prompt_its_own_answer(model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    out = generate_naive(model, prompts, 10)
+    for b, p in enumerate(prompts):
+        assert out[b].tolist() == greedy_by_hand(model, p, 10), f"prompt {b}"
+
+
+def test_seeded_sampling_is_reproducible_and_differs_across_seeds(model):
+    prompts = [[1, 2, 3], [7, 8]]
+    a = generate_naive(model, prompts, 20, temperature=1.0, top_k=20, seed=1)
+    b = generate_naive(model, prompts, 20, temperature=1.0, top_k=20, seed=1)
+    c = generate_naive(model, prompts, 20, temperature=1.0, top_k=20, seed=2)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_top_k_1_is_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_next(logits, 0.7, top_k=1, generator=g), logits.argmax(-1))
+
+
+def test_top_k_never_samples_outside_the_top_k():
+    logits = torch.arange(10.0).repeat(200, 1)
+    tokens = sample_next(logits, 5.0, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) <= {7, 8, 9}
+
+
+def test_stops_at_eos(model):
+    prompt = [3, 4, 5]
+    free = generate_naive(model, [prompt], 15)[0].tolist()
+    eos = free[4]  # pretend the 5th generated token is end-of-text
+    stopped = generate_naive(model, [prompt], 15, eos_id=eos)[0].tolist()
+    first = free.index(eos)
+    assert stopped == free[: first + 1]
+
+
+def test_finished_sequences_are_padded_with_eos_while_others_continue(model):
+    prompts = [[3, 4, 5], [9, 9, 9, 2]]
+    free = generate_naive(model, prompts, 12)
+    eos = free[0, 2].item()
+    out = generate_naive(model, prompts, 12, eos_id=eos)
+    first = free[0].tolist().index(eos)
+    assert (out[0, first:] == eos).all()
+
+
+def test_pad_prompts_positions_ignore_padding():
+    ids, mask, pos = pad_prompts([[7, 8, 9], [5]])
+    assert ids.tolist() == [[7, 8, 9], [0, 0, 5]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("kw, match", [({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k")])
+def test_bad_sampling_arguments(model, kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate_naive(model, [[1]], 2, **kw)
+
+
+def test_bad_prompts(model):
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_naive(model, [[1, 2], []], 2)
+    with pytest.raises(ValueError, match=r"\(B, T\) integer tensor"):
+        generate_naive(model, torch.zeros(2, 3), 2)
