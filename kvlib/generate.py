@@ -1,4 +1,4 @@
-"""Autoregressive generation: the naive loop (chapter 02).
+"""Autoregressive generation: the naive loop (chapter 02) and the cached one (chapter 03).
 
 ``generate_naive`` is the plainest possible decoder: at every step it runs the model over the
 *whole* sequence so far (prompt + everything generated), keeps only the last position's logits,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["generate_naive", "pad_prompts", "sample_next"]
+__all__ = ["generate_naive", "generate", "pad_prompts", "sample_next"]
 
 
 def pad_prompts(prompts, pad_id: int = 0, device=None):
@@ -97,4 +97,72 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
             break
     if not new_tokens:
         return torch.empty(seq.shape[0], 0, dtype=torch.long, device=device)
+    return torch.stack(new_tokens, dim=1)
+
+
+def _prompt_lists(ids) -> list[list[int]]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be a (B, T) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
+        ids = ids.tolist()
+    if not ids or any(len(p) == 0 for p in ids):
+        raise ValueError("ids must hold at least one prompt, each with at least one token")
+    return [list(map(int, p)) for p in ids]
+
+
+def make_cache(kind, model, batch: int, max_len: int):
+    """The cache object for ``generate(cache=kind)``: a name, or a ready-made cache (returned as is)."""
+    if not isinstance(kind, str):
+        return kind
+    if kind == "contiguous":
+        from .cache import KVCache
+
+        return KVCache.for_model(model, batch, max_len)
+    raise ValueError(f"cache must be 'contiguous' or a cache object, got {kind!r}")
+
+
+@torch.no_grad()
+def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature: float = 0.0,
+             top_k: int | None = None, seed: int | None = None, eos_id: int | None = None,
+             max_len: int | None = None, progress: bool = False) -> torch.Tensor:
+    """Generate with a KV cache: prefill each prompt once, then feed one token per step.
+
+    Same arguments and same tokens as ``generate_naive``. ``cache`` names the cache ("contiguous")
+    or is a cache object; ``max_len`` is its capacity per sequence (default: longest prompt +
+    max_new_tokens). Running past the capacity raises ``CacheFullError``; nothing is overwritten.
+    """
+    _check_sampling(temperature, top_k)
+    prompts = _prompt_lists(ids)
+    device = model.device
+    B = len(prompts)
+    kv = make_cache(cache, model, B, max_len or max(len(p) for p in prompts) + max_new_tokens)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    # prefill: each prompt once, through a batch-1 view of the cache (prompts may differ in length)
+    last = []
+    for b, p in enumerate(prompts):
+        x = torch.tensor([p], device=device)  # (1, T_b)
+        positions = torch.arange(len(p), device=device)[None]  # (1, T_b)
+        last.append(model(x, positions=positions, cache=kv.sequence(b))[:, -1])  # (1, V)
+    logits = torch.cat(last)  # (B, V)
+
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    new_tokens = []
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc=f"cached decoding ({type(kv).__name__})", leave=False)
+    for step in steps:
+        nxt = sample_next(logits, temperature, top_k, generator)  # (B,)
+        if eos_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+        new_tokens.append(nxt)
+        if step == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+            break
+        positions = kv.seq_lens.long()[:, None]  # (B, 1): each sequence's next position
+        logits = model(nxt[:, None], positions=positions, cache=kv)[:, -1]  # (B, V): one token per sequence
+    if not new_tokens:
+        return torch.empty(B, 0, dtype=torch.long, device=device)
     return torch.stack(new_tokens, dim=1)

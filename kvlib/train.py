@@ -187,6 +187,7 @@ def model_card(info: dict) -> str:
         f"  cosine), batch {info['batch']} x {info['seq_len']} bytes = {info['tokens_seen']:,} bytes seen, seed {info['seed']}",
         f"- {info['precision']} matmuls, fp32 weights; wall time {info['train_seconds'] / 60:.1f} min on the CPU with "
         f"{info['threads']} threads (torch {info['torch']}), corpus building included",
+        *([f"- note: {info['note']}"] if info.get("note") else []),
         "",
         "## Results (nats per byte; bits per byte in brackets)",
         "| | loss |",

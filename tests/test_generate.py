@@ -92,3 +92,45 @@ def test_bad_prompts(model):
         generate_naive(model, [[1, 2], []], 2)
     with pytest.raises(ValueError, match=r"\(B, T\) integer tensor"):
         generate_naive(model, torch.zeros(2, 3), 2)
+
+
+# ---- the cached generator (chapter 03) must give exactly the naive loop's tokens ----
+
+from kvlib.cache import CacheFullError, KVCache  # noqa: E402
+from kvlib.generate import generate  # noqa: E402
+
+
+@pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]], ids=["one", "ragged3"])
+def test_cached_greedy_is_token_identical_to_naive(model, prompts):
+    naive = generate_naive(model, prompts, 24)
+    cached = generate(model, prompts, 24, cache="contiguous")
+    assert torch.equal(naive, cached)
+
+
+def test_cached_seeded_sampling_is_token_identical_to_naive(model):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    kw = dict(temperature=0.9, top_k=30, seed=7)
+    assert torch.equal(generate_naive(model, prompts, 24, **kw), generate(model, prompts, 24, **kw))
+
+
+def test_cached_eos_behaviour_matches_naive(model):
+    prompts = [[3, 4, 5], [9, 9, 9, 2]]
+    eos = generate_naive(model, prompts, 12)[0, 2].item()
+    assert torch.equal(generate_naive(model, prompts, 12, eos_id=eos), generate(model, prompts, 12, eos_id=eos))
+
+
+def test_cache_capacity_overflow_is_a_clear_error(model):
+    with pytest.raises(CacheFullError, match="holds 10 positions"):
+        generate(model, [[1, 2, 3, 4]], 20, max_len=10)
+
+
+def test_a_ready_made_cache_object_can_be_passed(model):
+    cache = KVCache.for_model(model, batch=1, max_len=64)
+    out = generate(model, [[1, 2, 3]], 10, cache=cache)
+    assert torch.equal(out, generate_naive(model, [[1, 2, 3]], 10))
+    assert int(cache.seq_lens[0]) == 3 + 9  # the last sampled token is never fed back
+
+
+def test_unknown_cache_name(model):
+    with pytest.raises(ValueError, match="cache must be"):
+        generate(model, [[1]], 2, cache="magic")

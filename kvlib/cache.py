@@ -1,0 +1,337 @@
+"""The contiguous KV cache (chapter 03): store each token's K/V once, attend over them every step.
+
+What you will learn:
+- the past never changes: a token's key and value depend only on the tokens before it, so they are
+  computed once and stored, and each decoding step feeds the model only the newest token;
+- ``KVCache``: per layer two preallocated buffers of shape (B, H_KV, S_max, D) and one length per
+  sequence. It plugs into the model's seam (``cache.attend(layer_idx, q, k, v)``);
+- ``store_kv``: a Triton kernel that writes T new K/V rows of every sequence at its own position;
+- ``decode_attention``: one query token per sequence attending over its first ``seq_lens[b]``
+  cached positions (a ragged batch), with fp32 accumulation and grouped K/V heads;
+- split-K ("Flash-Decoding"): with few sequences and heads, the GPU would have too few programs;
+  each sequence's positions are then split across programs whose partial results are merged with
+  their log-sum-exp, exactly like the online softmax of chapter 01.
+
+Shapes: q (B, H, D); k_cache, v_cache (B, H_KV, S_max, D); seq_lens (B,) integer.
+"""
+
+import math
+
+import torch
+
+from . import runtime
+from ._triton import tl, triton
+
+__all__ = ["KVCache", "store_kv", "store_kv_ref", "decode_attention", "decode_attention_ref", "CacheFullError"]
+
+
+class CacheFullError(RuntimeError):
+    """Appending would run past the cache's capacity; nothing was written."""
+
+
+def _check_cache_args(q, k_cache, v_cache, seq_lens):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, seq_lens)):
+        raise TypeError("q, k_cache, v_cache and seq_lens must be torch tensors")
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be (B, H_KV, S_max, D), got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    B, H, D = q.shape
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache must be (B={B}, H_KV, S_max, D={D}) to match q, got {tuple(k_cache.shape)}")
+    H_KV = k_cache.shape[1]
+    if H % H_KV:
+        raise ValueError(f"k_cache has H_KV={H_KV} heads, which must divide q's H={H} heads")
+    if seq_lens.dtype not in (torch.int32, torch.int64) or seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens must be a (B={B},) int32/int64 tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (q.device == k_cache.device == v_cache.device == seq_lens.device):
+        raise ValueError("q, k_cache, v_cache and seq_lens must be on one device")
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 1 or hi > k_cache.shape[2]:
+        raise ValueError(f"seq_lens must lie in 1..S_max={k_cache.shape[2]}, got values in {lo}..{hi}")
+
+
+# --------------------------------------------------------------------------------------------
+# decode attention: reference, kernels, wrapper
+# --------------------------------------------------------------------------------------------
+
+
+def decode_attention_ref(q, k_cache, v_cache, seq_lens):
+    """softmax(q . k / sqrt(D)) v over each sequence's first seq_lens[b] positions, in fp32."""
+    _check_cache_args(q, k_cache, v_cache, seq_lens)
+    B, H, D = q.shape
+    n_rep = H // k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):  # ragged: each sequence has its own length
+        L = int(seq_lens[b])
+        k = k_cache[b, :, :L].float().repeat_interleave(n_rep, 0)  # (H, L, D)
+        v = v_cache[b, :, :L].float().repeat_interleave(n_rep, 0)  # (H, L, D)
+        scores = (k @ q[b].float()[:, :, None])[..., 0] / math.sqrt(D)  # (H, L)
+        out[b] = (torch.softmax(scores, -1)[:, None, :] @ v)[:, 0].to(q.dtype)  # (H, D)
+    return out
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr,  # q (B, H, D); caches (B, H_KV, S_max, D)
+    o_ptr, lse_ptr,  # output (B, H, SPLITS, D) fp32 partials and (B, H, SPLITS) log-sum-exp (log2 units)
+    seq_lens_ptr,  # (B,) valid cached positions per sequence
+    stride_qb, stride_qh,  # q strides (the D stride is 1)
+    stride_kb, stride_kh, stride_ks,  # k_cache strides (the D stride is 1)
+    stride_vb, stride_vh, stride_vs,  # v_cache strides (the D stride is 1)
+    H, D, n_rep, split_len,  # query heads, head dim, query heads per K/V head, positions per split
+    qk_scale,  # 1/sqrt(D) * log2(e)
+    SPLITS: tl.constexpr,  # programs per (sequence, head) along the positions (1 = no split)
+    TILE_N: tl.constexpr,  # cached positions per inner step
+    TILE_D: tl.constexpr,  # head dim padded to a power of two
+):
+    pid_bh = tl.program_id(0)  # which (sequence, query head)
+    split = tl.program_id(1)  # which slice of the positions
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_h = h // n_rep
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+
+    dims = tl.arange(0, TILE_D)
+    dim_ok = dims < D
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)  # (TILE_D,)
+    m_i = -1.0e30  # running max (log2 units)
+    l_i = 0.0  # running sum of exp2(score - m_i)
+    acc = tl.zeros((TILE_D,), dtype=tl.float32)
+    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+    for pos0 in range(start, end, TILE_N):
+        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,)
+        pos_ok = pos < end
+        k = tl.load(k_base + pos[:, None] * stride_ks + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
+        s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,) one query: a row of dot products
+        s = tl.where(pos_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)  # (TILE_N,)
+        v = tl.load(v_base + pos[:, None] * stride_vs + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
+                    other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+
+    row = pid_bh * SPLITS + split
+    empty = l_i == 0.0  # a split past the end of a short sequence saw no positions
+    tl.store(o_ptr + row * D + dims, acc / tl.where(empty, 1.0, l_i), mask=dim_ok)
+    tl.store(lse_ptr + row, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))))
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr,  # (B*H, SPLITS, D) fp32 partial outputs, (B*H, SPLITS) log-sum-exp in log2 units
+    o_ptr,  # output (B, H, D) in the query's dtype
+    stride_ob, stride_oh,  # output strides (the D stride is 1)
+    H, D,  # query heads, head dim
+    SPLITS: tl.constexpr,  # number of partial results per (sequence, head)
+    TILE_D: tl.constexpr,  # head dim padded to a power of two
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, TILE_D)
+    lse = tl.load(lse_ptr + pid_bh * SPLITS + splits)  # (SPLITS,)
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - m)  # (SPLITS,) weight of each split: its share of the whole row's softmax sum
+    part = tl.load(part_ptr + (pid_bh * SPLITS + splits[:, None]) * D + dims[None, :], mask=dims[None, :] < D,
+                   other=0.0)  # (SPLITS, TILE_D)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=dims < D)
+
+
+def choose_splits(batch_heads: int, max_len: int) -> int:
+    """How many programs share one sequence's positions (split-K), as a power of two.
+
+    Enough programs to cover the GPU's multiprocessors about twice, but never splits shorter than
+    256 positions (below that, merging costs more than it saves). 1 on the CPU interpreter.
+    """
+    if runtime.DEVICE != "cuda" or runtime.INTERPRETER:
+        return 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = 1
+    while batch_heads * splits < 2 * sms and max_len // (splits * 2) >= 256 and splits < 64:
+        splits *= 2
+    return splits
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
+    """One query token per sequence over its cached K/V; same result as ``decode_attention_ref``.
+
+    num_splits: None chooses automatically (``choose_splits``); 1 disables split-K; a power of two
+    forces that many splits.
+    """
+    _check_cache_args(q, k_cache, v_cache, seq_lens)
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
+    if not runtime.require_triton("cache.decode_attention"):
+        return decode_attention_ref(q, k_cache, v_cache, seq_lens)
+    B, H, D = q.shape
+    H_KV, S_max = k_cache.shape[1], k_cache.shape[2]
+    if num_splits is None:
+        num_splits = choose_splits(B * H_KV, int(seq_lens.max()))
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    split_len = triton.cdiv(S_max, num_splits)
+    TILE_D = max(16, triton.next_power_of_2(D))
+    TILE_N = 64 if runtime.INTERPRETER else max(16, min(128, 8192 // TILE_D))
+    part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
+    _decode_kernel[(B * H, num_splits)](
+        q, k_cache, v_cache, part, lse, seq_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H, D, H // H_KV, split_len, (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
+    )
+    out = torch.empty_like(q)
+    if num_splits == 1:
+        out.copy_(part.view(B, H, D))
+        return out
+    _merge_splits_kernel[(B * H,)](part, lse, out, out.stride(0), out.stride(1), H, D,
+                                   SPLITS=num_splits, TILE_D=TILE_D)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# store: reference, kernel, wrapper
+# --------------------------------------------------------------------------------------------
+
+
+def store_kv_ref(k_cache, v_cache, k_new, v_new, start):
+    """Write k_new/v_new (B, H_KV, T, D) into the caches at positions start[b] .. start[b]+T-1."""
+    for b in range(k_new.shape[0]):
+        s = int(start[b])
+        k_cache[b, :, s: s + k_new.shape[2]] = k_new[b]
+        v_cache[b, :, s: s + v_new.shape[2]] = v_new[b]
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_new_ptr, v_new_ptr,  # new rows (B, H_KV, T, D)
+    k_cache_ptr, v_cache_ptr,  # caches (B, H_KV, S_max, D)
+    start_ptr,  # (B,) first position to write for each sequence
+    stride_nb, stride_nh, stride_nt,  # strides of k_new / v_new (same layout; D stride 1)
+    stride_cb, stride_ch, stride_cs,  # strides of the caches (D stride 1)
+    H_KV, T, D,
+    TILE_T: tl.constexpr,  # new rows per program
+    TILE_D: tl.constexpr,  # head dim padded to a power of two
+):
+    pid_bh = tl.program_id(0)  # which (sequence, K/V head)
+    pid_t = tl.program_id(1)  # which tile of new rows
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+    start = tl.load(start_ptr + b)
+    rows = pid_t * TILE_T + tl.arange(0, TILE_T)
+    dims = tl.arange(0, TILE_D)
+    mask = (rows[:, None] < T) & (dims[None, :] < D)
+    src = b * stride_nb + h * stride_nh + rows[:, None] * stride_nt + dims[None, :]
+    dst = b * stride_cb + h * stride_ch + (start + rows)[:, None] * stride_cs + dims[None, :]
+    tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=mask), mask=mask)
+
+
+def store_kv(k_cache, v_cache, k_new, v_new, start):
+    """Write T new K/V rows of each sequence at its own position ``start[b]`` (Triton kernel)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (B, H_KV, S or T, D)")
+    B, H_KV, T, D = k_new.shape
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != (B, H_KV) or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache/v_cache must be (B={B}, H_KV={H_KV}, S_max, D={D}), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_new.dtype == v_new.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError("new K/V rows and the caches must share one dtype")
+    if start.shape != (B,) or start.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"start must be a (B={B},) int32/int64 tensor, got {tuple(start.shape)} {start.dtype}")
+    if int(start.min()) < 0 or int(start.max()) + T > k_cache.shape[2]:
+        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must share strides and be contiguous along D")
+    if not runtime.require_triton("cache.store_kv"):
+        return store_kv_ref(k_cache, v_cache, k_new, v_new, start)
+    k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    TILE_D = max(16, triton.next_power_of_2(D))
+    TILE_T = 16 if T > 1 else 1
+    _store_kv_kernel[(B * H_KV, triton.cdiv(T, TILE_T))](
+        k_new, v_new, k_cache, v_cache, start,
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        H_KV, T, D, TILE_T=TILE_T, TILE_D=TILE_D,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The cache module
+# --------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Preallocated K/V buffers for every layer: (B, H_KV, S_max, D) each, plus per-sequence lengths.
+
+    Plugs into ``Transformer.forward(..., cache=cache)``: every layer calls ``attend`` with the new
+    tokens' q, k, v; the cache stores k, v after each sequence's current length and attends over
+    everything stored. After the last layer the lengths advance by T. One call gives every sequence
+    the same number T of new tokens; prompts of different lengths are prefilled one sequence at a
+    time through ``cache.sequence(b)``, a view that shares this cache's memory.
+    """
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu"):
+        shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)  # (B,) positions filled
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, model, batch, max_len):
+        c = model.config
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
+
+    def sequence(self, b: int) -> "KVCache":
+        """A view of sequence b alone (batch 1) sharing this cache's buffers and lengths."""
+        view = object.__new__(KVCache)
+        view.k = [t[b: b + 1] for t in self.k]  # basic slicing: views, writes land in self.k
+        view.v = [t[b: b + 1] for t in self.v]
+        view.seq_lens = self.seq_lens[b: b + 1]  # a view too: advancing it advances ours
+        view.max_len = self.max_len
+        return view
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    def attend(self, layer_idx, q, k, v):
+        """q (B, H, T, D), k/v (B, H_KV, T, D) for the new tokens -> attention output (B, H, T, D)."""
+        T = q.shape[2]
+        start = self.seq_lens
+        longest = int(start.max())
+        if longest + T > self.max_len:  # checked before anything is written: the cache stays intact
+            raise CacheFullError(f"the cache holds {self.max_len} positions per sequence; appending {T} "
+                                 f"token(s) to a sequence of {longest} would overflow it")
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        store_kv(k_cache, v_cache, k, v, start)
+        if T == 1:  # decode: one new token per sequence, ragged lengths
+            out = decode_attention(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
+        else:  # prefill (or several tokens at once): causal attention over past + new
+            from .attention import flash_attention
+
+            if int(start.min()) != longest:
+                raise ValueError("a multi-token call must extend sequences of equal length; "
+                                 "prefill ragged prompts one at a time with cache.sequence(b)")
+            L = longest + T
+            out = flash_attention(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
+        if layer_idx == len(self.k) - 1:  # after the last layer these T tokens are part of the past
+            self.seq_lens += T
+        return out
