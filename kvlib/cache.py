@@ -151,6 +151,11 @@ def _merge_splits_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=dims < D)
 
 
+def _decode_tile_n(TILE_D: int) -> int:
+    """Cached positions per inner step on a GPU: 4096 elements per K (or V) tile."""
+    return max(16, 4096 // TILE_D)
+
+
 def choose_splits(batch_heads: int, max_len: int) -> int:
     """How many programs share one sequence's positions (split-K), as a power of two.
 
@@ -185,7 +190,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
     split_len = triton.cdiv(S_max, num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
-    TILE_N = 64 if runtime.INTERPRETER else max(16, min(128, 8192 // TILE_D))
+    TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D)
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
     _decode_kernel[(B * H, num_splits)](
@@ -335,3 +340,29 @@ class KVCache:
         if layer_idx == len(self.k) - 1:  # after the last layer these T tokens are part of the past
             self.seq_lens += T
         return out
+
+
+# How tests/test_compile.py builds these kernels for sm_80 and sm_90 (default tiles, D = 128, fp16).
+def _decode_spec(splits: int):
+    sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+           "seq_lens_ptr": "*i32"}
+    sig.update({n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
+                                   "stride_vh", "stride_vs", "H", "D", "n_rep", "split_len")})
+    sig.update(qk_scale="fp32", SPLITS="constexpr", TILE_N="constexpr", TILE_D="constexpr")
+    return dict(kernel=_decode_kernel, signature=sig, constexprs=dict(SPLITS=splits, TILE_N=_decode_tile_n(128), TILE_D=128))
+
+
+COMPILE_SPECS = [
+    _decode_spec(1),
+    _decode_spec(8),
+    dict(kernel=_merge_splits_kernel,
+         signature={"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*fp16", "stride_ob": "i32", "stride_oh": "i32",
+                    "H": "i32", "D": "i32", "SPLITS": "constexpr", "TILE_D": "constexpr"},
+         constexprs=dict(SPLITS=8, TILE_D=128)),
+    dict(kernel=_store_kv_kernel,
+         signature={"k_new_ptr": "*fp16", "v_new_ptr": "*fp16", "k_cache_ptr": "*fp16", "v_cache_ptr": "*fp16",
+                    "start_ptr": "*i32", **{n: "i32" for n in ("stride_nb", "stride_nh", "stride_nt", "stride_cb",
+                                                              "stride_ch", "stride_cs", "H_KV", "T", "D")},
+                    "TILE_T": "constexpr", "TILE_D": "constexpr"},
+         constexprs=dict(TILE_T=16, TILE_D=128)),
+]

@@ -19,11 +19,11 @@ import hashlib
 import importlib
 import inspect
 import io
+import json
 import pkgutil
+import subprocess
 import sys
 import warnings
-
-import torch
 
 # Modules that open windows or browsers, print on import, are huge test suites, or are deprecated shims.
 SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "lib2to3",
@@ -45,7 +45,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
-        if isinstance(ids, torch.Tensor):
+        if hasattr(ids, "tolist"):  # a tensor
             ids = ids.tolist()
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
 
@@ -116,7 +116,16 @@ def _builtin_docstrings() -> list[str]:
 
 
 def build_corpus() -> list[str]:
-    """The documents, in a fixed order (builtins, then modules by name, then help topics)."""
+    """The documents, in a fixed order (builtins, then modules by name, then help topics).
+
+    Collected in a fresh interpreter with no site-packages (``python -I -S``): what third-party
+    packages imported into *this* process do to standard modules must not change the corpus.
+    """
+    out = subprocess.run([sys.executable, "-I", "-S", __file__], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def _collect() -> list[str]:
     docs = _builtin_docstrings()
     for name in _stdlib_module_names():
         mod = sys.modules.get(name) or _quiet_import(name)
@@ -147,3 +156,7 @@ def split_corpus(docs: list[str], every: int = 20) -> tuple[str, str]:
 def fingerprint(text: str) -> str:
     """Short hash of a text, recorded in the model card so a rebuilt corpus can be compared."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+if __name__ == "__main__":  # run by build_corpus() in a clean interpreter
+    print(json.dumps(_collect()))

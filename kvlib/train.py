@@ -131,7 +131,10 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == args.steps - 1:
-            log.append({"step": step, "train_loss_batch": round(loss.item(), 4)})
+            entry = {"step": step, "train_loss_batch": round(loss.item(), 4)}
+            if step % 300 == 0 or step == args.steps - 1:  # a quick look at held-out loss (16 windows)
+                entry["val_loss_16"] = round(evaluate(model, val_ids, args.seq_len, max_windows=16), 4)
+            log.append(entry)
             bar.set_postfix(loss=f"{loss.item():.3f}")
     train_seconds = time.time() - t_start
 
