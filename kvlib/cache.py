@@ -293,7 +293,13 @@ class KVCache:
     time through ``cache.sequence(b)``, a view that shares this cache's memory.
     """
 
-    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu",
+                 kernels=None):
+        if kernels is None:  # the Triton kernels where they are fast; the PyTorch references elsewhere
+            kernels = "triton" if runtime.mode() == "gpu" else "torch"
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
+        self.kernels = kernels  # "triton": store_kv/decode_attention/flash_attention; "torch": their _refs
         shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -301,9 +307,9 @@ class KVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_model(cls, model, batch, max_len):
+    def for_model(cls, model, batch, max_len, kernels=None):
         c = model.config
-        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device, kernels)
 
     def sequence(self, b: int) -> "KVCache":
         """A view of sequence b alone (batch 1) sharing this cache's buffers and lengths."""
@@ -312,6 +318,7 @@ class KVCache:
         view.v = [t[b: b + 1] for t in self.v]
         view.seq_lens = self.seq_lens[b: b + 1]  # a view too: advancing it advances ours
         view.max_len = self.max_len
+        view.kernels = self.kernels
         return view
 
     def nbytes(self) -> int:
@@ -325,18 +332,21 @@ class KVCache:
         if longest + T > self.max_len:  # checked before anything is written: the cache stays intact
             raise CacheFullError(f"the cache holds {self.max_len} positions per sequence; appending {T} "
                                  f"token(s) to a sequence of {longest} would overflow it")
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        store_kv(k_cache, v_cache, k, v, start)
-        if T == 1:  # decode: one new token per sequence, ragged lengths
-            out = decode_attention(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
-        else:  # prefill (or several tokens at once): causal attention over past + new
-            from .attention import flash_attention
+        from .attention import attention_ref, flash_attention
 
+        triton_kernels = self.kernels == "triton"
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
+        if T == 1:  # decode: one new token per sequence, ragged lengths
+            decode = decode_attention if triton_kernels else decode_attention_ref
+            out = decode(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
+        else:  # prefill (or several tokens at once): causal attention over past + new
             if int(start.min()) != longest:
                 raise ValueError("a multi-token call must extend sequences of equal length; "
                                  "prefill ragged prompts one at a time with cache.sequence(b)")
             L = longest + T
-            out = flash_attention(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
+            prefill = flash_attention if triton_kernels else attention_ref
+            out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
         if layer_idx == len(self.k) - 1:  # after the last layer these T tokens are part of the past
             self.seq_lens += T
         return out

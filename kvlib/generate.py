@@ -110,21 +110,21 @@ def _prompt_lists(ids) -> list[list[int]]:
     return [list(map(int, p)) for p in ids]
 
 
-def make_cache(kind, model, batch: int, max_len: int):
+def make_cache(kind, model, batch: int, max_len: int, kernels=None):
     """The cache object for ``generate(cache=kind)``: a name, or a ready-made cache (returned as is)."""
     if not isinstance(kind, str):
         return kind
     if kind == "contiguous":
         from .cache import KVCache
 
-        return KVCache.for_model(model, batch, max_len)
+        return KVCache.for_model(model, batch, max_len, kernels)
     raise ValueError(f"cache must be 'contiguous' or a cache object, got {kind!r}")
 
 
 @torch.no_grad()
 def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature: float = 0.0,
              top_k: int | None = None, seed: int | None = None, eos_id: int | None = None,
-             max_len: int | None = None, progress: bool = False) -> torch.Tensor:
+             max_len: int | None = None, kernels: str | None = None, progress: bool = False) -> torch.Tensor:
     """Generate with a KV cache: prefill each prompt once, then feed one token per step.
 
     Same arguments and same tokens as ``generate_naive``. ``cache`` names the cache ("contiguous")
@@ -135,7 +135,7 @@ def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature
     prompts = _prompt_lists(ids)
     device = model.device
     B = len(prompts)
-    kv = make_cache(cache, model, B, max_len or max(len(p) for p in prompts) + max_new_tokens)
+    kv = make_cache(cache, model, B, max_len or max(len(p) for p in prompts) + max_new_tokens, kernels)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
     # prefill: each prompt once, through a batch-1 view of the cache (prompts may differ in length)

@@ -192,6 +192,9 @@ def model_card(info: dict) -> str:
         f"{info['threads']} threads (torch {info['torch']}), corpus building included",
         *([f"- note: {info['note']}"] if info.get("note") else []),
         "",
+        "Held-out loss during training (16 validation windows, nats/byte): "
+        + ", ".join(f"step {e['step']}: {e['val_loss_16']:.3f}" for e in info["log"] if "val_loss_16" in e) + ".",
+        "",
         "## Results (nats per byte; bits per byte in brackets)",
         "| | loss |",
         "|---|---|",

@@ -100,17 +100,19 @@ from kvlib.cache import CacheFullError, KVCache  # noqa: E402
 from kvlib.generate import generate  # noqa: E402
 
 
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
 @pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]], ids=["one", "ragged3"])
-def test_cached_greedy_is_token_identical_to_naive(model, prompts):
+def test_cached_greedy_is_token_identical_to_naive(model, prompts, kernels):
     naive = generate_naive(model, prompts, 24)
-    cached = generate(model, prompts, 24, cache="contiguous")
+    cached = generate(model, prompts, 24, cache="contiguous", kernels=kernels)
     assert torch.equal(naive, cached)
 
 
-def test_cached_seeded_sampling_is_token_identical_to_naive(model):
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_cached_seeded_sampling_is_token_identical_to_naive(model, kernels):
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     kw = dict(temperature=0.9, top_k=30, seed=7)
-    assert torch.equal(generate_naive(model, prompts, 24, **kw), generate(model, prompts, 24, **kw))
+    assert torch.equal(generate_naive(model, prompts, 24, **kw), generate(model, prompts, 24, kernels=kernels, **kw))
 
 
 def test_cached_eos_behaviour_matches_naive(model):
