@@ -18,6 +18,17 @@ import torch
 __all__ = ["generate_naive", "generate", "pad_prompts", "sample_next"]
 
 
+def prompt_lists(ids) -> list[list[int]]:
+    """A (B, T) integer tensor or a list of token-id lists -> a list of B lists of ints (validated)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be a (B, T) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
+        ids = ids.tolist()
+    if not ids or any(len(p) == 0 for p in ids):
+        raise ValueError("ids must hold at least one prompt, each with at least one token")
+    return [list(map(int, p)) for p in ids]
+
+
 def pad_prompts(prompts, pad_id: int = 0, device=None):
     """Left-pad prompts to one length.
 
@@ -25,12 +36,7 @@ def pad_prompts(prompts, pad_id: int = 0, device=None):
     Returns ids (B, T_max), attention_mask (B, T_max) with 1 for real tokens, positions (B, T_max)
     counting real tokens only (0 for the first real token of each prompt).
     """
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"ids must be a (B, T) integer tensor, got {tuple(prompts.shape)} {prompts.dtype}")
-        prompts = prompts.tolist()
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("ids must hold at least one prompt, each with at least one token")
+    prompts = prompt_lists(prompts)
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
@@ -100,16 +106,6 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
     return torch.stack(new_tokens, dim=1)
 
 
-def _prompt_lists(ids) -> list[list[int]]:
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"ids must be a (B, T) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
-        ids = ids.tolist()
-    if not ids or any(len(p) == 0 for p in ids):
-        raise ValueError("ids must hold at least one prompt, each with at least one token")
-    return [list(map(int, p)) for p in ids]
-
-
 def make_cache(kind, model, batch: int, max_len: int, kernels=None):
     """The cache object for ``generate(cache=kind)``: a name, or a ready-made cache (returned as is)."""
     if not isinstance(kind, str):
@@ -132,7 +128,7 @@ def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature
     max_new_tokens). Running past the capacity raises ``CacheFullError``; nothing is overwritten.
     """
     _check_sampling(temperature, top_k)
-    prompts = _prompt_lists(ids)
+    prompts = prompt_lists(ids)
     device = model.device
     B = len(prompts)
     kv = make_cache(cache, model, B, max_len or max(len(p) for p in prompts) + max_new_tokens, kernels)
