@@ -77,14 +77,18 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr,  # q (B, H, D); caches (B, H_KV, S_max, D)
+    q_ptr, k_ptr, v_ptr,  # q (B, H, D); caches (B, H_KV, S_max, D), or block pools (num_blocks, block_size, H_KV, D)
     o_ptr, lse_ptr,  # output (B, H, SPLITS, D) fp32 partials and (B, H, SPLITS) log-sum-exp (log2 units)
     seq_lens_ptr,  # (B,) valid cached positions per sequence
+    block_table_ptr,  # (B, max_blocks) physical block of each logical block (PAGED only; chapter 05)
     stride_qb, stride_qh,  # q strides (the D stride is 1)
-    stride_kb, stride_kh, stride_ks,  # k_cache strides (the D stride is 1)
-    stride_vb, stride_vh, stride_vs,  # v_cache strides (the D stride is 1)
+    stride_kb, stride_kh, stride_ks,  # k strides: per sequence (per block if PAGED), per head, per position
+    stride_vb, stride_vh, stride_vs,  # v strides, the same way
+    stride_bt,  # block table row stride (PAGED only)
     H, D, n_rep, split_len,  # query heads, head dim, query heads per K/V head, positions per split
+    block_size,  # positions per cache block (PAGED only)
     qk_scale,  # 1/sqrt(D) * log2(e)
+    PAGED: tl.constexpr,  # False: contiguous cache (chapter 03); True: K/V found through the block table
     SPLITS: tl.constexpr,  # programs per (sequence, head) along the positions (1 = no split)
     TILE_N: tl.constexpr,  # cached positions per inner step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
@@ -104,19 +108,24 @@ def _decode_kernel(
     m_i = -1.0e30  # running max (log2 units)
     l_i = 0.0  # running sum of exp2(score - m_i)
     acc = tl.zeros((TILE_D,), dtype=tl.float32)
-    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
     for pos0 in range(start, end, TILE_N):
-        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,)
+        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,) logical positions of this step
         pos_ok = pos < end
-        k = tl.load(k_base + pos[:, None] * stride_ks + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
+        if PAGED:  # the only difference from a contiguous cache: where position `pos` lives
+            blk = tl.load(block_table_ptr + b * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+            k_rows = k_ptr + blk * stride_kb + (pos % block_size) * stride_ks + kv_h * stride_kh  # (TILE_N,)
+            v_rows = v_ptr + blk * stride_vb + (pos % block_size) * stride_vs + kv_h * stride_vh
+        else:
+            k_rows = k_ptr + b * stride_kb + kv_h * stride_kh + pos * stride_ks  # (TILE_N,)
+            v_rows = v_ptr + b * stride_vb + kv_h * stride_vh + pos * stride_vs
+        k = tl.load(k_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,) one query: a row of dot products
         s = tl.where(pos_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)  # (TILE_N,)
-        v = tl.load(v_base + pos[:, None] * stride_vs + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
+        v = tl.load(v_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
@@ -182,23 +191,32 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("cache.decode_attention"):
         return decode_attention_ref(q, k_cache, v_cache, seq_lens)
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    return launch_decode(q, k_cache, v_cache, seq_lens, kv_strides, q.shape[1] // k_cache.shape[1], k_cache.shape[2],
+                         num_splits, block_table=None, block_size=1)
+
+
+def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, block_table, block_size):
+    """Launch ``_decode_kernel`` (+ the split merge) for a contiguous cache or, with a block table,
+    a paged one. ``kv_strides``: (k per-sequence-or-block, per-head, per-position, then the same for v)."""
     B, H, D = q.shape
-    H_KV, S_max = k_cache.shape[1], k_cache.shape[2]
     if num_splits is None:
-        num_splits = choose_splits(B * H_KV, int(seq_lens.max()))
+        num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()))
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
-    split_len = triton.cdiv(S_max, num_splits)
+    split_len = triton.cdiv(max_len, num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
     TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D)
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
+    paged = block_table is not None
+    bt = block_table if paged else seq_lens  # any int tensor: never read when not PAGED
     _decode_kernel[(B * H, num_splits)](
-        q, k_cache, v_cache, part, lse, seq_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H, D, H // H_KV, split_len, (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
+        q, k, v, part, lse, seq_lens, bt, q.stride(0), q.stride(1), *kv_strides,
+        bt.stride(0) if paged else 0, H, D, n_rep, split_len, block_size,
+        (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        PAGED=paged, SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
     )
     out = torch.empty_like(q)
     if num_splits == 1:
@@ -324,6 +342,19 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
+    # The three calls kvlib.generate.generate makes on any cache:
+    def prefill_view(self, b: int, prompt):
+        """(the seam object for prefilling sequence b, how many prompt positions are cached already)."""
+        return self.sequence(b), 0
+
+    def decode_view(self, tokens):
+        """The seam object for one decode step of every sequence (``tokens``: the B new ids)."""
+        return self
+
+    def next_positions(self) -> torch.Tensor:
+        """(B, 1) position of each sequence's next token."""
+        return self.seq_lens.long()[:, None]
+
     def attend(self, layer_idx, q, k, v):
         """q (B, H, T, D), k/v (B, H_KV, T, D) for the new tokens -> attention output (B, H, T, D)."""
         T = q.shape[2]
@@ -353,18 +384,22 @@ class KVCache:
 
 
 # How tests/test_compile.py builds these kernels for sm_80 and sm_90 (default tiles, D = 128, fp16).
-def _decode_spec(splits: int):
+def _decode_spec(splits: int, paged: bool):
     sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-           "seq_lens_ptr": "*i32"}
+           "seq_lens_ptr": "*i32", "block_table_ptr": "*i32"}
     sig.update({n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
-                                   "stride_vh", "stride_vs", "H", "D", "n_rep", "split_len")})
-    sig.update(qk_scale="fp32", SPLITS="constexpr", TILE_N="constexpr", TILE_D="constexpr")
-    return dict(kernel=_decode_kernel, signature=sig, constexprs=dict(SPLITS=splits, TILE_N=_decode_tile_n(128), TILE_D=128))
+                                   "stride_vh", "stride_vs", "stride_bt", "H", "D", "n_rep", "split_len",
+                                   "block_size")})
+    sig.update(qk_scale="fp32", PAGED="constexpr", SPLITS="constexpr", TILE_N="constexpr", TILE_D="constexpr")
+    return dict(kernel=_decode_kernel, signature=sig,
+                constexprs=dict(PAGED=paged, SPLITS=splits, TILE_N=_decode_tile_n(128), TILE_D=128))
 
 
 COMPILE_SPECS = [
-    _decode_spec(1),
-    _decode_spec(8),
+    _decode_spec(1, paged=False),
+    _decode_spec(8, paged=False),
+    _decode_spec(1, paged=True),
+    _decode_spec(8, paged=True),
     dict(kernel=_merge_splits_kernel,
          signature={"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*fp16", "stride_ob": "i32", "stride_oh": "i32",
                     "H": "i32", "D": "i32", "SPLITS": "constexpr", "TILE_D": "constexpr"},

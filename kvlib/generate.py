@@ -106,15 +106,24 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
     return torch.stack(new_tokens, dim=1)
 
 
-def make_cache(kind, model, batch: int, max_len: int, kernels=None):
-    """The cache object for ``generate(cache=kind)``: a name, or a ready-made cache (returned as is)."""
+def make_cache(kind, model, batch: int, max_len: int, kernels=None, block_size: int = 16):
+    """The cache object for ``generate(cache=kind)``: a name, or a ready-made cache (returned as is).
+
+    "contiguous": chapter 03's KVCache, max_len positions per sequence. "paged": chapter 05's
+    PagedKVCache with a pool just large enough for batch sequences of max_len tokens.
+    """
     if not isinstance(kind, str):
         return kind
     if kind == "contiguous":
         from .cache import KVCache
 
         return KVCache.for_model(model, batch, max_len, kernels)
-    raise ValueError(f"cache must be 'contiguous' or a cache object, got {kind!r}")
+    if kind == "paged":
+        from .paged import PagedKVCache
+
+        num_blocks = batch * -(-max_len // block_size)
+        return PagedKVCache.for_model(model, num_blocks, block_size, kernels=kernels)
+    raise ValueError(f"cache must be 'contiguous', 'paged' or a cache object, got {kind!r}")
 
 
 @torch.no_grad()
@@ -134,12 +143,14 @@ def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature
     kv = make_cache(cache, model, B, max_len or max(len(p) for p in prompts) + max_new_tokens, kernels)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
-    # prefill: each prompt once, through a batch-1 view of the cache (prompts may differ in length)
+    # prefill: each prompt once, through a batch-1 view of the cache (prompts may differ in length);
+    # a paged cache with prefix caching may already hold the prompt's first blocks
     last = []
     for b, p in enumerate(prompts):
-        x = torch.tensor([p], device=device)  # (1, T_b)
-        positions = torch.arange(len(p), device=device)[None]  # (1, T_b)
-        last.append(model(x, positions=positions, cache=kv.sequence(b))[:, -1])  # (1, V)
+        view, cached = kv.prefill_view(b, p)
+        x = torch.tensor([p[cached:]], device=device)  # (1, T_b - cached)
+        positions = torch.arange(cached, len(p), device=device)[None]  # (1, T_b - cached)
+        last.append(model(x, positions=positions, cache=view)[:, -1])  # (1, V)
     logits = torch.cat(last)  # (B, V)
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -157,8 +168,8 @@ def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature
         new_tokens.append(nxt)
         if step == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
             break
-        positions = kv.seq_lens.long()[:, None]  # (B, 1): each sequence's next position
-        logits = model(nxt[:, None], positions=positions, cache=kv)[:, -1]  # (B, V): one token per sequence
+        positions = kv.next_positions()  # (B, 1): each sequence's next position
+        logits = model(nxt[:, None], positions=positions, cache=kv.decode_view(nxt.tolist()))[:, -1]  # (B, V)
     if not new_tokens:
         return torch.empty(B, 0, dtype=torch.long, device=device)
     return torch.stack(new_tokens, dim=1)

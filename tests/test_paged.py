@@ -1,0 +1,244 @@
+"""Paged KV cache: allocator invariants (property-based), kernels against references, generation."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvlib import runtime
+from kvlib.cache import decode_attention_ref
+from kvlib.generate import generate, generate_naive
+from kvlib.model import ModelConfig, Transformer
+from kvlib.paged import (BlockAllocator, OutOfBlocksError, PagedKVCache, paged_decode_attention,
+                         paged_decode_attention_ref, store_paged, store_paged_ref)
+
+# ---- the allocator ------------------------------------------------------------------------
+
+
+def test_allocator_counts_and_refuses_cleanly():
+    a = BlockAllocator(4)
+    blocks = a.allocate(3)
+    assert sorted(blocks) == [0, 1, 2] and a.num_free == 1
+    with pytest.raises(OutOfBlocksError, match="asked for 2 block.*only 1 of 4"):
+        a.allocate(2)
+    assert a.num_free == 1 and a.refcount == [1, 1, 1, 0]
+    a.share(0)
+    assert a.free(0) is False and a.free(0) is True and a.num_free == 2
+    with pytest.raises(ValueError, match="block 0 is free"):
+        a.free(0)
+    with pytest.raises(ValueError, match="unknown block 9"):
+        a.free(9)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / write / free sequences over a small pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedKVCache(n_layers=1, num_blocks=12, block_size=4, n_kv_heads=1, head_dim=2,
+                                  kernels="torch", prefix_caching=False)
+        self.next_id = 0
+
+    @rule()
+    def add(self):
+        self.cache.add_sequence(self.next_id)
+        self.next_id += 1
+
+    @precondition(lambda self: self.cache.tables)
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def append(self, data, n):
+        ids = sorted(self.cache.tables)
+        chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3, unique=True))
+        before = ({s: list(t) for s, t in self.cache.tables.items()}, dict(self.cache.lens),
+                  list(self.cache.allocator.refcount))
+        try:
+            slots = self.cache.reserve(chosen, n)
+        except OutOfBlocksError:  # refused: nothing changed
+            assert before == ({s: list(t) for s, t in self.cache.tables.items()}, dict(self.cache.lens),
+                              list(self.cache.allocator.refcount))
+            return
+        assert len(set(slots.tolist())) == len(slots)  # no two new tokens share a slot
+        for s in chosen:  # written slots belong to blocks this sequence owns alone (copy-on-write)
+            self.cache.lens[s] += n
+        for slot in slots.tolist():
+            assert self.cache.allocator.refcount[slot // 4] == 1
+
+    @precondition(lambda self: self.cache.tables)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.cache.tables)))
+        self.cache.fork(parent, self.next_id)
+        self.next_id += 1
+
+    @precondition(lambda self: self.cache.tables)
+    @rule(data=st.data())
+    def free(self, data):
+        self.cache.free_sequence(data.draw(st.sampled_from(sorted(self.cache.tables))))
+
+    @invariant()
+    def refcounts_match_tables(self):
+        a = self.cache.allocator
+        holders = [0] * a.num_blocks
+        for table in self.cache.tables.values():
+            for b in table:
+                holders[b] += 1
+        assert holders == a.refcount
+        free = a._free
+        assert len(set(free)) == len(free) and all(a.refcount[b] == 0 for b in free)
+        assert len(free) + sum(1 for c in a.refcount if c) == a.num_blocks  # nothing leaked
+        for s, table in self.cache.tables.items():
+            assert len(table) == -(-self.cache.lens[s] // 4)
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_full_pool_refuses_then_recovers():
+    cache = PagedKVCache(1, num_blocks=3, block_size=4, n_kv_heads=1, head_dim=2, kernels="torch")
+    cache.add_sequence("a")
+    cache.reserve(["a"], 12)
+    cache.lens["a"] = 12
+    cache.add_sequence("b")
+    with pytest.raises(OutOfBlocksError, match="needs 1 block.*0 of 3 are free"):
+        cache.reserve(["b"], 1)
+    cache.free_sequence("a")
+    assert cache.allocator.num_free == 3
+    assert len(cache.reserve(["b"], 5)) == 5
+
+
+# ---- kernels ------------------------------------------------------------------------------
+
+
+def scattered_pool(B, H_KV, D, lens, block_size, dtype, seed):
+    """A pool whose blocks are handed out in a shuffled order, as after many allocations/frees."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = [-(-L // block_size) for L in lens]
+    total = sum(n_blocks) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    tables = torch.full((B, max(n_blocks)), -1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = torch.tensor(perm[i:i + n])
+        i += n
+    k = torch.randn(total, block_size, H_KV, D, generator=g).to(dtype)
+    v = torch.randn(total, block_size, H_KV, D, generator=g).to(dtype)
+    return k.to(runtime.DEVICE), v.to(runtime.DEVICE), tables.to(runtime.DEVICE)
+
+
+def contiguous_copy(k_blocks, tables, lens, S_max):
+    B = tables.shape[0]
+    bs, H_KV, D = k_blocks.shape[1:]
+    out = torch.zeros(B, H_KV, S_max, D, dtype=k_blocks.dtype, device=k_blocks.device)
+    for b, L in enumerate(lens):
+        pos = torch.arange(L)
+        out[b, :, :L] = k_blocks[tables[b].long().cpu()[pos // bs], pos % bs].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("H, H_KV", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_matches_contiguous_reference(dtype, block_size, H, H_KV, num_splits):
+    B, D, lens = 3, 32, [1, 37, 64]
+    k, v, tables = scattered_pool(B, H_KV, D, lens, block_size, dtype, seed=block_size)
+    q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(0)).to(dtype).to(runtime.DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=runtime.DEVICE)
+    expected = decode_attention_ref(q, contiguous_copy(k, tables, lens, 64), contiguous_copy(v, tables, lens, 64),
+                                    seq_lens)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    ref = paged_decode_attention_ref(q, k, v, tables, seq_lens)
+    out = paged_decode_attention(q, k, v, tables, seq_lens, num_splits=num_splits)
+    assert (ref.float() - expected.float()).abs().max() <= tol
+    assert (out.float() - expected.float()).abs().max() <= tol
+
+
+def test_store_paged_matches_reference():
+    k = torch.zeros(6, 4, 2, 8, device=runtime.DEVICE)
+    v = torch.zeros_like(k)
+    k2, v2 = k.clone(), v.clone()
+    new_k = torch.randn(5, 2, 8, device=runtime.DEVICE)
+    new_v = torch.randn(5, 2, 8, device=runtime.DEVICE)
+    slots = torch.tensor([0, 7, 23, 12, 5], device=runtime.DEVICE)
+    store_paged(k, v, new_k, new_v, slots)
+    store_paged_ref(k2, v2, new_k, new_v, slots)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(tables=torch.tensor([[0, 99]], dtype=torch.int32)), "points outside the pool"),
+    (dict(lens=[9]), r"seq_lens must lie in 1..max_blocks\*block_size=8"),
+    (dict(tables=torch.tensor([[0, 1]], dtype=torch.float32)), "int32"),
+])
+def test_paged_decode_bad_input(bad, match):
+    k = torch.zeros(4, 4, 1, 16)
+    tables = bad.get("tables", torch.tensor([[0, 1]], dtype=torch.int32))
+    lens = torch.tensor(bad.get("lens", [6]), dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention(torch.zeros(1, 1, 16), k, k.clone(), tables, lens)
+
+
+# ---- generation ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   hidden_dim=128)).eval()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_paged_generation_is_token_identical_to_naive(model, kernels):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [11]]
+    for kw in (dict(), dict(temperature=0.9, top_k=20, seed=5)):
+        assert torch.equal(generate_naive(model, prompts, 20, **kw),
+                           generate(model, prompts, 20, cache="paged", kernels=kernels, **kw))
+
+
+@torch.no_grad()
+def test_forked_sequences_share_blocks_and_copy_on_write(model):
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks of 4 and a partial one
+    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=4, kernels="torch")
+    cache.add_sequence("a", prompt)
+    model(torch.tensor([prompt]), cache=cache.batch(["a"], [prompt]))
+    cache.fork("a", "b")
+    assert [cache.allocator.refcount[b] for b in cache.tables["a"]] == [2, 2, 2]
+    # the two continue with different tokens: the shared partial block is copied first
+    logits = model(torch.tensor([[30], [40]]), positions=torch.tensor([[10], [10]]),
+                   cache=cache.batch(["a", "b"], [[30], [40]]))[:, -1]
+    assert cache.tables["a"][:2] == cache.tables["b"][:2] and cache.tables["a"][2] != cache.tables["b"][2]
+    for row, tok in ((0, 30), (1, 40)):
+        naive = model(torch.tensor([prompt + [tok]]))[:, -1]
+        torch.testing.assert_close(logits[row:row + 1], naive, atol=1e-5, rtol=1e-5)
+    cache.free_sequence("a")
+    cache.free_sequence("b")
+    assert cache.allocator.num_free == 16
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prompt_len", [8, 9, 13])  # ends on a block boundary, one past it, mid-block
+def test_prefix_caching_reuses_full_blocks(model, prompt_len):
+    prompt = [(7 * i) % 60 + 1 for i in range(prompt_len)]
+    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=4, kernels="torch")
+    cache.add_sequence(0, prompt)
+    model(torch.tensor([prompt]), cache=cache.batch([0], [prompt]))
+    cached = cache.add_sequence(1, prompt)  # the same prompt again: a 100% prefix hit
+    assert cached == 4 * ((prompt_len - 1) // 4)  # full blocks only, at least one token left to compute
+    assert cache.tables[1] == cache.tables[0][: cached // 4]
+    rest = prompt[cached:]
+    logits = model(torch.tensor([rest]), positions=torch.arange(cached, prompt_len)[None],
+                   cache=cache.batch([1], [rest]))[:, -1]
+    torch.testing.assert_close(logits, model(torch.tensor([prompt]))[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_generation_with_a_shared_prompt_uses_fewer_blocks(model):
+    prompt = list(range(1, 40))
+    cache = PagedKVCache.for_model(model, num_blocks=64, block_size=8, kernels="torch")
+    out = generate(model, [prompt, prompt], 5, cache=cache)
+    assert torch.equal(out, generate_naive(model, [prompt, prompt], 5))
+    shared = set(cache.tables[0]) & set(cache.tables[1])
+    assert len(shared) == (len(prompt) - 1) // 8
