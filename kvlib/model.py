@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -444,12 +444,6 @@ def save_hf(model: Transformer, path: str | Path) -> Path:
     (folder / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     return folder
 
-
-def config_dict(config: ModelConfig) -> dict:
-    """The config as a plain dict (for printing in notebooks)."""
-    d = asdict(config)
-    d.pop("extra")
-    return d
 
 
 # --------------------------------------------------------------------------------------------
