@@ -29,7 +29,8 @@ class CacheFullError(RuntimeError):
     """Appending would run past the cache's capacity; nothing was written."""
 
 
-def _check_cache_args(q, k_cache, v_cache, seq_lens):
+def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None):
+    """kv_dtype: the caches' required dtype when it differs from q's (int8 caches, chapter 06)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, seq_lens)):
         raise TypeError("q, k_cache, v_cache and seq_lens must be torch tensors")
     if q.dim() != 3:
@@ -46,8 +47,9 @@ def _check_cache_args(q, k_cache, v_cache, seq_lens):
         raise ValueError(f"k_cache has H_KV={H_KV} heads, which must divide q's H={H} heads")
     if seq_lens.dtype not in (torch.int32, torch.int64) or seq_lens.shape != (B,):
         raise ValueError(f"seq_lens must be a (B={B},) int32/int64 tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    want = kv_dtype or q.dtype
+    if not (k_cache.dtype == v_cache.dtype == want):
+        raise ValueError(f"k_cache and v_cache must be {want} (q is {q.dtype}), got {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device == seq_lens.device):
         raise ValueError("q, k_cache, v_cache and seq_lens must be on one device")
     lo, hi = int(seq_lens.min()), int(seq_lens.max())
@@ -81,6 +83,8 @@ def _decode_kernel(
     o_ptr, lse_ptr,  # output (B, H, SPLITS, D) fp32 partials and (B, H, SPLITS) log-sum-exp (log2 units)
     seq_lens_ptr,  # (B,) valid cached positions per sequence
     block_table_ptr,  # (B, max_blocks) physical block of each logical block (PAGED only; chapter 05)
+    k_scale_ptr, v_scale_ptr,  # (B, H_KV, S_max) fp16/fp32 scale of each cached row (INT8 only; chapter 06)
+    stride_sb, stride_sh,  # scale strides per sequence and per head (the position stride is 1)
     stride_qb, stride_qh,  # q strides (the D stride is 1)
     stride_kb, stride_kh, stride_ks,  # k strides: per sequence (per block if PAGED), per head, per position
     stride_vb, stride_vh, stride_vs,  # v strides, the same way
@@ -89,6 +93,7 @@ def _decode_kernel(
     block_size,  # positions per cache block (PAGED only)
     qk_scale,  # 1/sqrt(D) * log2(e)
     PAGED: tl.constexpr,  # False: contiguous cache (chapter 03); True: K/V found through the block table
+    INT8: tl.constexpr,  # True: K/V are int8 with one scale per (sequence, head, position) (chapter 06)
     SPLITS: tl.constexpr,  # programs per (sequence, head) along the positions (1 = no split)
     TILE_N: tl.constexpr,  # cached positions per inner step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
@@ -121,6 +126,9 @@ def _decode_kernel(
         k = tl.load(k_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,) one query: a row of dot products
+        if INT8:  # q . (scale * k_int8) = scale * (q . k_int8): one multiply per row, not per element
+            s_rows = b * stride_sb + kv_h * stride_sh + pos
+            s = s * tl.load(k_scale_ptr + s_rows, mask=pos_ok, other=0.0).to(tl.float32)
         s = tl.where(pos_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
@@ -128,7 +136,11 @@ def _decode_kernel(
         v = tl.load(v_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if INT8:  # sum_j p_j * (scale_j * v_int8_j): fold each row's scale into its probability
+            v_scale = tl.load(v_scale_ptr + s_rows, mask=pos_ok, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum((p * v_scale)[:, None] * v, axis=0)
+        else:
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
 
     row = pid_bh * SPLITS + split
@@ -197,9 +209,11 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
                          num_splits, block_table=None, block_size=1)
 
 
-def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, block_table, block_size):
+def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, block_table, block_size,
+                  k_scale=None, v_scale=None):
     """Launch ``_decode_kernel`` (+ the split merge) for a contiguous cache or, with a block table,
-    a paged one. ``kv_strides``: (k per-sequence-or-block, per-head, per-position, then the same for v)."""
+    a paged one, or with scales an int8 one. ``kv_strides``: (k per-sequence-or-block, per-head,
+    per-position, then the same for v)."""
     B, H, D = q.shape
     if num_splits is None:
         num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()))
@@ -210,13 +224,15 @@ def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, blo
     TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D)
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
-    paged = block_table is not None
+    paged, int8 = block_table is not None, k_scale is not None
     bt = block_table if paged else seq_lens  # any int tensor: never read when not PAGED
+    ks, vs = (k_scale, v_scale) if int8 else (part, part)  # any fp32 tensor: never read when not INT8
     _decode_kernel[(B * H, num_splits)](
-        q, k, v, part, lse, seq_lens, bt, q.stride(0), q.stride(1), *kv_strides,
+        q, k, v, part, lse, seq_lens, bt, ks, vs, ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
+        q.stride(0), q.stride(1), *kv_strides,
         bt.stride(0) if paged else 0, H, D, n_rep, split_len, block_size,
         (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        PAGED=paged, SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
+        PAGED=paged, INT8=int8, SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
     )
     out = torch.empty_like(q)
     if num_splits == 1:
@@ -384,15 +400,17 @@ class KVCache:
 
 
 # How tests/test_compile.py builds these kernels for sm_80 and sm_90 (default tiles, D = 128, fp16).
-def _decode_spec(splits: int, paged: bool):
-    sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-           "seq_lens_ptr": "*i32", "block_table_ptr": "*i32"}
-    sig.update({n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
-                                   "stride_vh", "stride_vs", "stride_bt", "H", "D", "n_rep", "split_len",
-                                   "block_size")})
-    sig.update(qk_scale="fp32", PAGED="constexpr", SPLITS="constexpr", TILE_N="constexpr", TILE_D="constexpr")
+def _decode_spec(splits: int, paged: bool, int8: bool = False):
+    kv = "*i8" if int8 else "*fp16"
+    sig = {"q_ptr": "*fp16", "k_ptr": kv, "v_ptr": kv, "o_ptr": "*fp32", "lse_ptr": "*fp32",
+           "seq_lens_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
+    sig.update({n: "i32" for n in ("stride_sb", "stride_sh", "stride_qb", "stride_qh", "stride_kb", "stride_kh",
+                                   "stride_ks", "stride_vb", "stride_vh", "stride_vs", "stride_bt", "H", "D",
+                                   "n_rep", "split_len", "block_size")})
+    sig.update(qk_scale="fp32", PAGED="constexpr", INT8="constexpr", SPLITS="constexpr", TILE_N="constexpr",
+               TILE_D="constexpr")
     return dict(kernel=_decode_kernel, signature=sig,
-                constexprs=dict(PAGED=paged, SPLITS=splits, TILE_N=_decode_tile_n(128), TILE_D=128))
+                constexprs=dict(PAGED=paged, INT8=int8, SPLITS=splits, TILE_N=_decode_tile_n(128), TILE_D=128))
 
 
 COMPILE_SPECS = [
@@ -400,6 +418,8 @@ COMPILE_SPECS = [
     _decode_spec(8, paged=False),
     _decode_spec(1, paged=True),
     _decode_spec(8, paged=True),
+    _decode_spec(1, paged=False, int8=True),
+    _decode_spec(8, paged=False, int8=True),
     dict(kernel=_merge_splits_kernel,
          signature={"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*fp16", "stride_ob": "i32", "stride_oh": "i32",
                     "H": "i32", "D": "i32", "SPLITS": "constexpr", "TILE_D": "constexpr"},

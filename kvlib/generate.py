@@ -110,7 +110,8 @@ def make_cache(kind, model, batch: int, max_len: int, kernels=None, block_size: 
     """The cache object for ``generate(cache=kind)``: a name, or a ready-made cache (returned as is).
 
     "contiguous": chapter 03's KVCache, max_len positions per sequence. "paged": chapter 05's
-    PagedKVCache with a pool just large enough for batch sequences of max_len tokens.
+    PagedKVCache with a pool just large enough for batch sequences of max_len tokens. "int8":
+    chapter 06's Int8KVCache (quantize on store, per token and head).
     """
     if not isinstance(kind, str):
         return kind
@@ -123,7 +124,11 @@ def make_cache(kind, model, batch: int, max_len: int, kernels=None, block_size: 
 
         num_blocks = batch * -(-max_len // block_size)
         return PagedKVCache.for_model(model, num_blocks, block_size, kernels=kernels)
-    raise ValueError(f"cache must be 'contiguous', 'paged' or a cache object, got {kind!r}")
+    if kind == "int8":
+        from .quant import Int8KVCache
+
+        return Int8KVCache.for_model(model, batch, max_len, kernels)
+    raise ValueError(f"cache must be 'contiguous', 'paged', 'int8' or a cache object, got {kind!r}")
 
 
 @torch.no_grad()

@@ -1,0 +1,290 @@
+"""INT8 KV cache (chapter 06): store K/V as int8 with scales, dequantize inside the kernel.
+
+What you will learn:
+- symmetric absmax quantization: ``scale = max|x| / 127`` over a group of numbers, ``q =
+  round(x / scale)`` in [-127, 127], ``x ≈ q * scale`` with an error of at most half a step;
+- granularity is the choice of group (the dims the max runs over): one scale for the whole tensor,
+  per token, per head, per channel... ``quantize_int8(x, dim)`` reduces over ``dim`` (an int, a
+  tuple, or None for the whole tensor), so every granularity is one call;
+- a cache that quantizes on store (one scale per cached row: per token and head) halves the bytes of
+  an fp16 cache (plus one fp16 scale, 2 bytes, per D numbers);
+- the decode kernel reads int8 and never dequantizes an element on its own: K's per-row scale
+  multiplies the row's score, V's multiplies the row's probability (``_decode_kernel``, INT8=True).
+
+Shapes: cache values (B, H_KV, S_max, D) int8; scales (B, H_KV, S_max) fp16 (or fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import runtime
+from ._triton import tl, triton
+from .cache import _check_cache_args, launch_decode
+
+__all__ = ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
+           "store_kv_int8", "store_kv_int8_ref", "Int8KVCache", "quality_report"]
+
+QMAX = 127
+
+
+def _dims(x: torch.Tensor, dim) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(x.dim()))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    for d in dims:
+        if not -x.dim() <= d < x.dim():
+            raise ValueError(f"dim {d} is out of range for a tensor of {x.dim()} dims")
+    return tuple(d % x.dim() for d in dims)
+
+
+def quantize_int8(x: torch.Tensor, dim=-1):
+    """Symmetric absmax int8 quantization with one scale per group; the max runs over ``dim``.
+
+    dim=-1: one scale per row (for K/V of shape (..., D): per token and head); dim=None: one scale for
+    the whole tensor; dim=(0, 2): ... Rounds half away from zero (as the store kernel does). Returns (int8 values, fp32 scales) where scales keep x's rank
+    (size 1 along ``dim``), so ``values * scales`` broadcasts back. An all-zero group gets scale 1
+    and exact zeros.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or inf; absmax quantization needs finite values")
+    x32 = x.float()
+    amax = x32.abs().amax(dim=_dims(x, dim), keepdim=True)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    y = x32 / scale
+    q = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-QMAX, QMAX).to(torch.int8)  # half away from zero
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q * scale in ``dtype``; scale must have q's rank with each dim equal to q's or 1."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+        raise TypeError(f"q must be an int8 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    if scale.dim() != q.dim() or any(s not in (1, n) for s, n in zip(scale.shape, q.shape)):
+        raise ValueError(f"scale of shape {tuple(scale.shape)} does not match values of shape {tuple(q.shape)}: "
+                         "it needs the same rank, each dim equal or 1 (the granularity's group)")
+    return (q.float() * scale.float()).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 decode attention: reference and wrapper (the kernel is cache._decode_kernel, INT8=True)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens):
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"q must be floating point, got {q.dtype}")
+    _check_cache_args(q, k_q, v_q, seq_lens, kv_dtype=torch.int8)
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor) or t.shape != k_q.shape[:3] or t.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"{name} must be fp16/fp32 of shape (B, H_KV, S_max) = {tuple(k_q.shape[:3])}, one "
+                             f"scale per cached row, got {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', '')}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}")
+
+
+def int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens):
+    """Dequantize the cached rows, then chapter 03's reference decode attention (fp32)."""
+    from .cache import decode_attention_ref
+
+    _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
+    k = dequantize_int8(k_q, k_scale[..., None], q.dtype)  # (B, H_KV, S_max, D)
+    v = dequantize_int8(v_q, v_scale[..., None], q.dtype)
+    return decode_attention_ref(q, k, v, seq_lens)
+
+
+def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=None):
+    """Decode attention over an int8 cache, dequantizing inside the kernel; same result as the ref."""
+    _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
+    if k_q.stride(3) != 1 or v_q.stride(3) != 1 or q.stride(2) != 1 or k_scale.stride(2) != 1 \
+            or k_scale.stride() != v_scale.stride():
+        raise ValueError("q and the int8 caches must be contiguous along D, the scales along positions "
+                         "(and k_scale, v_scale laid out alike)")
+    if not runtime.require_triton("quant.int8_decode_attention"):
+        return int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens)
+    kv_strides = (k_q.stride(0), k_q.stride(1), k_q.stride(2), v_q.stride(0), v_q.stride(1), v_q.stride(2))
+    return launch_decode(q, k_q, v_q, seq_lens, kv_strides, q.shape[1] // k_q.shape[1], k_q.shape[2], num_splits,
+                         block_table=None, block_size=1, k_scale=k_scale, v_scale=v_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# quantize on store: reference, kernel, wrapper
+# --------------------------------------------------------------------------------------------
+
+
+def store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
+    """Quantize k_new/v_new (B, H_KV, T, D) per row and write them at start[b].. with their scales."""
+    kq, ks = quantize_int8(k_new, dim=-1)
+    vq, vs = quantize_int8(v_new, dim=-1)
+    T = k_new.shape[2]
+    for b in range(k_new.shape[0]):
+        s = int(start[b])
+        k_q[b, :, s: s + T], k_scale[b, :, s: s + T] = kq[b], ks[b, ..., 0]
+        v_q[b, :, s: s + T], v_scale[b, :, s: s + T] = vq[b], vs[b, ..., 0]
+
+
+@triton.jit
+def _store_int8_kernel(
+    new_ptr,  # new rows (B, H_KV, T, D), contiguous, fp16/fp32
+    q_ptr, scale_ptr,  # int8 cache (B, H_KV, S_max, D) and its scales (B, H_KV, S_max), contiguous
+    start_ptr,  # (B,) first position to write for each sequence
+    H_KV, T, S_max, D,
+    TILE_D: tl.constexpr,  # head dim padded to a power of two
+):
+    pid = tl.program_id(0)  # one program per new row: (b, h, t)
+    t = pid % T
+    bh = pid // T
+    b = bh // H_KV
+    dims = tl.arange(0, TILE_D)
+    x = tl.load(new_ptr + pid * D + dims, mask=dims < D, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, amax / 127.0, 1.0)
+    y = x / scale
+    q = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))  # round half away from zero
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    row = bh * S_max + tl.load(start_ptr + b) + t  # the cache row this token goes to
+    tl.store(q_ptr + row * D + dims, q.to(tl.int8), mask=dims < D)
+    tl.store(scale_ptr + row, scale.to(scale_ptr.dtype.element_ty))
+
+
+def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
+    """Quantize-on-store with the Triton kernel: one program per new row, scale = absmax / 127."""
+    B, H_KV, T, D = k_new.shape
+    if v_new.shape != k_new.shape or k_q.shape[:2] != (B, H_KV) or k_q.shape[3] != D or v_q.shape != k_q.shape:
+        raise ValueError(f"new rows {tuple(k_new.shape)} do not fit caches {tuple(k_q.shape)} (B, H_KV, S_max, D)")
+    if k_q.dtype != torch.int8 or v_q.dtype != torch.int8:
+        raise TypeError("k_q and v_q must be int8")
+    if not all(t.is_contiguous() for t in (k_q, v_q, k_scale, v_scale)):
+        raise ValueError("the int8 caches and their scales must be contiguous")
+    if int(start.min()) < 0 or int(start.max()) + T > k_q.shape[2]:
+        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_q.shape[2]}")
+    if not runtime.require_triton("quant.store_kv_int8"):
+        return store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start)
+    TILE_D = max(16, triton.next_power_of_2(D))
+    for new, cq, cs in ((k_new, k_q, k_scale), (v_new, v_q, v_scale)):
+        _store_int8_kernel[(B * H_KV * T,)](new.contiguous(), cq, cs, start, H_KV, T, k_q.shape[2], D, TILE_D=TILE_D)
+
+
+# --------------------------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------------------------
+
+
+class Int8KVCache:
+    """Chapter 03's contiguous cache with int8 values and one fp16 scale per (sequence, head, position).
+
+    Every K/V row is quantized when stored (per token and head); prefill and decode both attend over
+    the dequantized cache, so the model sees exactly what an int8 cache holds.
+    """
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, device="cpu", kernels=None):
+        if kernels is None:
+            kernels = "triton" if runtime.mode() == "gpu" else "torch"
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
+        self.kernels, self.max_len = kernels, max_len
+        shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
+        self.k = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(n_layers)]
+        self.k_scale = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(n_layers)]  # (B, H_KV, S_max)
+        self.v_scale = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(n_layers)]
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    @classmethod
+    def for_model(cls, model, batch, max_len, kernels=None):
+        c = model.config
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.device, kernels)
+
+    def nbytes(self) -> int:
+        """Bytes of values and scales."""
+        return sum(t.nbytes for t in self.k + self.v + self.k_scale + self.v_scale)
+
+    def sequence(self, b: int) -> "Int8KVCache":
+        view = object.__new__(Int8KVCache)
+        view.kernels, view.max_len = self.kernels, self.max_len
+        for name in ("k", "v", "k_scale", "v_scale"):
+            setattr(view, name, [t[b: b + 1] for t in getattr(self, name)])
+        view.seq_lens = self.seq_lens[b: b + 1]
+        return view
+
+    def prefill_view(self, b, prompt):
+        return self.sequence(b), 0
+
+    def decode_view(self, tokens):
+        return self
+
+    def next_positions(self):
+        return self.seq_lens.long()[:, None]
+
+    def attend(self, layer_idx, q, k, v):
+        from .attention import attention_ref
+        from .cache import CacheFullError
+
+        T, start = q.shape[2], self.seq_lens
+        longest = int(start.max())
+        if longest + T > self.max_len:
+            raise CacheFullError(f"the cache holds {self.max_len} positions per sequence; appending {T} "
+                                 f"token(s) to a sequence of {longest} would overflow it")
+        kq, ks, vq, vs = self.k[layer_idx], self.k_scale[layer_idx], self.v[layer_idx], self.v_scale[layer_idx]
+        triton_kernels = self.kernels == "triton"
+        (store_kv_int8 if triton_kernels else store_kv_int8_ref)(kq, ks, vq, vs, k, v, start)
+        if T == 1:
+            decode = int8_decode_attention if triton_kernels else int8_decode_attention_ref
+            out = decode(q[:, :, 0], kq, ks, vq, vs, start + 1)[:, :, None]  # (B, H, 1, D)
+        else:
+            if int(start.min()) != longest:
+                raise ValueError("a multi-token call must extend sequences of equal length")
+            L = longest + T
+            k_all = dequantize_int8(kq[:, :, :L], ks[:, :, :L, None], q.dtype)  # (B, H_KV, L, D)
+            v_all = dequantize_int8(vq[:, :, :L], vs[:, :, :L, None], q.dtype)
+            out = attention_ref(q, k_all, v_all, causal=True)
+        if layer_idx == len(self.k) - 1:
+            self.seq_lens += T
+        return out
+
+
+# How tests/test_compile.py builds the quantize-on-store kernel (the decode kernel is cache._decode_kernel).
+COMPILE_SPECS = [
+    dict(kernel=_store_int8_kernel,
+         signature={"new_ptr": "*fp16", "q_ptr": "*i8", "scale_ptr": "*fp16", "start_ptr": "*i32",
+                    "H_KV": "i32", "T": "i32", "S_max": "i32", "D": "i32", "TILE_D": "constexpr"},
+         constexprs={"TILE_D": 128}),
+]
+
+
+@torch.no_grad()
+def quality_report(model, ids, n_tokens: int = 200) -> dict:
+    """Teacher-forced comparison of the int8 cache with a full-precision cache on a text ``ids``.
+
+    Feeds the first token, then each next token of ``ids`` one decode step at a time through both
+    caches, for ``n_tokens`` steps. Reports greedy agreement (same argmax), the largest logit
+    difference, perplexity of the text under each cache and the caches' bytes.
+    """
+    from .cache import KVCache
+
+    ids = list(ids)[: n_tokens + 1]
+    if len(ids) < 2:
+        raise ValueError("ids must hold at least 2 tokens")
+    caches = {"full": KVCache.for_model(model, 1, len(ids)), "int8": Int8KVCache.for_model(model, 1, len(ids))}
+    logits = {name: [] for name in caches}
+    for name, cache in caches.items():
+        for pos in range(len(ids) - 1):
+            x = torch.tensor([[ids[pos]]], device=model.device)
+            logits[name].append(model(x, positions=torch.tensor([[pos]], device=model.device), cache=cache)[0, -1])
+    full, int8 = torch.stack(logits["full"]), torch.stack(logits["int8"])  # (n, V)
+    target = torch.tensor(ids[1:], device=full.device)
+    nll = {n: torch.nn.functional.cross_entropy(l, target).item() for n, l in (("full", full), ("int8", int8))}
+    return {
+        "tokens": len(target),
+        "greedy_agreement": (full.argmax(-1) == int8.argmax(-1)).float().mean().item(),
+        "max_logit_error": (full - int8).abs().max().item(),
+        "ppl_full": math.exp(nll["full"]),
+        "ppl_int8": math.exp(nll["int8"]),
+        "ppl_change": math.exp(nll["int8"]) / math.exp(nll["full"]) - 1,
+        "bytes_full": caches["full"].nbytes(),
+        "bytes_int8": caches["int8"].nbytes(),
+    }
