@@ -4,14 +4,8 @@ import pytest
 import torch
 
 from kvlib.generate import generate_naive, pad_prompts, sample_next
-from kvlib.model import ModelConfig, Transformer
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                   hidden_dim=128)).eval()
 
 
 def greedy_by_hand(model, prompt, n):

@@ -9,7 +9,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvlib import runtime
 from kvlib.cache import decode_attention_ref
 from kvlib.generate import generate, generate_naive
-from kvlib.model import ModelConfig, Transformer
 from kvlib.paged import (BlockAllocator, OutOfBlocksError, PagedKVCache, paged_decode_attention,
                          paged_decode_attention_ref, store_paged, store_paged_ref)
 
@@ -184,11 +183,6 @@ def test_paged_decode_bad_input(bad, match):
 # ---- generation ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                   hidden_dim=128)).eval()
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

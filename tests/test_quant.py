@@ -6,7 +6,6 @@ import torch
 from kvlib import runtime
 from kvlib.cache import decode_attention_ref
 from kvlib.generate import generate, generate_naive
-from kvlib.model import ModelConfig, Transformer
 from kvlib.quant import (Int8KVCache, dequantize_int8, int8_decode_attention, int8_decode_attention_ref,
                          quality_report, quantize_int8, store_kv_int8, store_kv_int8_ref)
 
@@ -97,11 +96,6 @@ def test_quantize_on_store_kernel_matches_reference():
         assert torch.equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                   hidden_dim=128)).eval()
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
