@@ -21,6 +21,7 @@ import torch
 
 from . import runtime
 from ._triton import tl, triton
+from .attention import attention_ref, flash_attention
 
 __all__ = ["KVCache", "store_kv", "store_kv_ref", "decode_attention", "decode_attention_ref", "CacheFullError"]
 
@@ -217,8 +218,7 @@ def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, blo
     B, H, D = q.shape
     if num_splits is None:
         num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()))
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    check_num_splits(num_splits)
     split_len = triton.cdiv(max_len, num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
     TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D)
@@ -234,13 +234,35 @@ def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, blo
         (1.0 / math.sqrt(D)) * 1.4426950408889634,
         PAGED=paged, INT8=int8, SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
     )
+    return merge_splits(q, part, lse)
+
+
+def check_num_splits(num_splits: int):
+    if not isinstance(num_splits, int) or num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits!r}")
+
+
+def merge_splits(q, part, lse):
+    """The (B, H, D) output from per-split partials (B*H, SPLITS, D) and their log-sum-exp."""
+    B, H, D = q.shape
+    num_splits = part.shape[1]
     out = torch.empty_like(q)
     if num_splits == 1:
         out.copy_(part.view(B, H, D))
         return out
     _merge_splits_kernel[(B * H,)](part, lse, out, out.stride(0), out.stride(1), H, D,
-                                   SPLITS=num_splits, TILE_D=TILE_D)
+                                   SPLITS=num_splits, TILE_D=max(16, triton.next_power_of_2(D)))
     return out
+
+
+def pick_kernels(kernels):
+    """A cache's kernels: "triton" or "torch"; None means Triton on a GPU, the PyTorch references
+    elsewhere (the interpreter would only be slow)."""
+    if kernels is None:
+        kernels = "triton" if runtime.mode() == "gpu" else "torch"
+    if kernels not in ("triton", "torch"):
+        raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
+    return kernels
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,11 +351,7 @@ class KVCache:
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu",
                  kernels=None):
-        if kernels is None:  # the Triton kernels where they are fast; the PyTorch references elsewhere
-            kernels = "triton" if runtime.mode() == "gpu" else "torch"
-        if kernels not in ("triton", "torch"):
-            raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
-        self.kernels = kernels  # "triton": store_kv/decode_attention/flash_attention; "torch": their _refs
+        self.kernels = pick_kernels(kernels)  # "triton": store_kv/decode_attention/flash_attention; "torch": their _refs
         shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -347,12 +365,13 @@ class KVCache:
 
     def sequence(self, b: int) -> "KVCache":
         """A view of sequence b alone (batch 1) sharing this cache's buffers and lengths."""
-        view = object.__new__(KVCache)
-        view.k = [t[b: b + 1] for t in self.k]  # basic slicing: views, writes land in self.k
-        view.v = [t[b: b + 1] for t in self.v]
-        view.seq_lens = self.seq_lens[b: b + 1]  # a view too: advancing it advances ours
-        view.max_len = self.max_len
-        view.kernels = self.kernels
+        view = object.__new__(type(self))
+        for name, value in vars(self).items():  # basic slicing gives views: writes land in our buffers
+            if isinstance(value, list):  # per-layer buffers (B, ...)
+                value = [t[b: b + 1] for t in value]
+            elif isinstance(value, torch.Tensor):  # the lengths: advancing the view advances ours
+                value = value[b: b + 1]
+            setattr(view, name, value)
         return view
 
     def nbytes(self) -> int:
@@ -371,16 +390,26 @@ class KVCache:
         """(B, 1) position of each sequence's next token."""
         return self.seq_lens.long()[:, None]
 
-    def attend(self, layer_idx, q, k, v):
-        """q (B, H, T, D), k/v (B, H_KV, T, D) for the new tokens -> attention output (B, H, T, D)."""
-        T = q.shape[2]
-        start = self.seq_lens
-        longest = int(start.max())
-        if longest + T > self.max_len:  # checked before anything is written: the cache stays intact
+    def _make_room(self, T: int) -> int:
+        """Check that T more tokens fit (before anything is written, so a refusal leaves the cache
+        intact); return the common length L after appending them when T > 1 (prefill)."""
+        longest = int(self.seq_lens.max())
+        if longest + T > self.max_len:
             raise CacheFullError(f"the cache holds {self.max_len} positions per sequence; appending {T} "
                                  f"token(s) to a sequence of {longest} would overflow it")
-        from .attention import attention_ref, flash_attention
+        if T > 1 and int(self.seq_lens.min()) != longest:
+            raise ValueError("a multi-token call must extend sequences of equal length; "
+                             "prefill ragged prompts one at a time with cache.sequence(b)")
+        return longest + T
 
+    def _advance(self, layer_idx: int, T: int):
+        if layer_idx == len(self.k) - 1:  # after the last layer these T tokens are part of the past
+            self.seq_lens += T
+
+    def attend(self, layer_idx, q, k, v):
+        """q (B, H, T, D), k/v (B, H_KV, T, D) for the new tokens -> attention output (B, H, T, D)."""
+        T, start = q.shape[2], self.seq_lens
+        L = self._make_room(T)
         triton_kernels = self.kernels == "triton"
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
         (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
@@ -388,14 +417,9 @@ class KVCache:
             decode = decode_attention if triton_kernels else decode_attention_ref
             out = decode(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
         else:  # prefill (or several tokens at once): causal attention over past + new
-            if int(start.min()) != longest:
-                raise ValueError("a multi-token call must extend sequences of equal length; "
-                                 "prefill ragged prompts one at a time with cache.sequence(b)")
-            L = longest + T
             prefill = flash_attention if triton_kernels else attention_ref
             out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
-        if layer_idx == len(self.k) - 1:  # after the last layer these T tokens are part of the past
-            self.seq_lens += T
+        self._advance(layer_idx, T)
         return out
 
 

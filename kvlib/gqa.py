@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from . import runtime
 from ._triton import tl, triton
-from .cache import _check_cache_args, _merge_splits_kernel, choose_splits, decode_attention_ref
+from .cache import _check_cache_args, check_num_splits, choose_splits, decode_attention_ref, merge_splits
 
 __all__ = ["repeat_kv", "grouped_decode_attention", "grouped_decode_attention_ref", "mha_to_gqa", "finetune"]
 
@@ -119,8 +119,7 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     n_rep = H // H_KV
     if num_splits is None:
         num_splits = choose_splits(B * H_KV, int(seq_lens.max()))
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    check_num_splits(num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
@@ -131,13 +130,7 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
         SPLITS=num_splits, GROUP=max(16, triton.next_power_of_2(n_rep)), TILE_N=_grouped_tiles(D, runtime.INTERPRETER),
         TILE_D=TILE_D,
     )
-    out = torch.empty_like(q)
-    if num_splits == 1:
-        out.copy_(part.view(B, H, D))
-        return out
-    _merge_splits_kernel[(B * H,)](part, lse, out, out.stride(0), out.stride(1), H, D, SPLITS=num_splits,
-                                   TILE_D=TILE_D)
-    return out
+    return merge_splits(q, part, lse)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ import torch
 
 from . import runtime
 from ._triton import tl, triton
-from .cache import launch_decode
+from .attention import attention_ref, flash_attention
+from .cache import launch_decode, pick_kernels
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_decode_attention",
            "paged_decode_attention_ref", "store_paged", "store_paged_ref"]
@@ -219,11 +220,7 @@ class PagedKVCache:
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu", kernels=None, prefix_caching=True):
-        if kernels is None:
-            kernels = "triton" if runtime.mode() == "gpu" else "torch"
-        if kernels not in ("triton", "torch"):
-            raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
-        self.kernels, self.block_size, self.device = kernels, block_size, device
+        self.kernels, self.block_size, self.device = pick_kernels(kernels), block_size, device
         shape = (num_blocks, block_size, n_kv_heads, head_dim)  # (num_blocks, block_size, H_KV, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -380,8 +377,6 @@ class _PagedBatch:
             decode = paged_decode_attention if triton_kernels else paged_decode_attention_ref
             out = decode(q[:, :, 0], c.k[layer_idx], c.v[layer_idx], self.tables, self.start + 1)[:, :, None]
         else:  # prefill of one sequence: gather its positions, then causal attention
-            from .attention import attention_ref, flash_attention
-
             if B != 1:
                 raise ValueError("prefill (T > 1) runs one sequence at a time")
             L = int(self.start[0]) + T

@@ -22,7 +22,8 @@ import torch
 
 from . import runtime
 from ._triton import tl, triton
-from .cache import _check_cache_args, launch_decode
+from .attention import attention_ref
+from .cache import KVCache, _check_cache_args, decode_attention_ref, launch_decode
 
 __all__ = ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
            "store_kv_int8", "store_kv_int8_ref", "Int8KVCache", "quality_report"]
@@ -89,8 +90,6 @@ def _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens):
 
 def int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens):
     """Dequantize the cached rows, then chapter 03's reference decode attention (fp32)."""
-    from .cache import decode_attention_ref
-
     _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
     k = dequantize_int8(k_q, k_scale[..., None], q.dtype)  # (B, H_KV, S_max, D)
     v = dequantize_int8(v_q, v_scale[..., None], q.dtype)
@@ -174,25 +173,19 @@ def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
 # --------------------------------------------------------------------------------------------
 
 
-class Int8KVCache:
+class Int8KVCache(KVCache):
     """Chapter 03's contiguous cache with int8 values and one fp16 scale per (sequence, head, position).
 
     Every K/V row is quantized when stored (per token and head); prefill and decode both attend over
-    the dequantized cache, so the model sees exactly what an int8 cache holds.
+    the dequantized cache, so the model sees exactly what an int8 cache holds. Lengths, capacity
+    checks and the views ``generate`` uses are KVCache's.
     """
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, device="cpu", kernels=None):
-        if kernels is None:
-            kernels = "triton" if runtime.mode() == "gpu" else "torch"
-        if kernels not in ("triton", "torch"):
-            raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
-        self.kernels, self.max_len = kernels, max_len
-        shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
-        self.k = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(n_layers)]
-        self.k_scale = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(n_layers)]  # (B, H_KV, S_max)
-        self.v_scale = [torch.ones(shape[:3], dtype=torch.float16, device=device) for _ in range(n_layers)]
-        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, torch.int8, device, kernels)
+        scale_shape = (batch, n_kv_heads, max_len)  # (B, H_KV, S_max)
+        self.k_scale = [torch.ones(scale_shape, dtype=torch.float16, device=device) for _ in range(n_layers)]
+        self.v_scale = [torch.ones(scale_shape, dtype=torch.float16, device=device) for _ in range(n_layers)]
 
     @classmethod
     def for_model(cls, model, batch, max_len, kernels=None):
@@ -203,32 +196,9 @@ class Int8KVCache:
         """Bytes of values and scales."""
         return sum(t.nbytes for t in self.k + self.v + self.k_scale + self.v_scale)
 
-    def sequence(self, b: int) -> "Int8KVCache":
-        view = object.__new__(Int8KVCache)
-        view.kernels, view.max_len = self.kernels, self.max_len
-        for name in ("k", "v", "k_scale", "v_scale"):
-            setattr(view, name, [t[b: b + 1] for t in getattr(self, name)])
-        view.seq_lens = self.seq_lens[b: b + 1]
-        return view
-
-    def prefill_view(self, b, prompt):
-        return self.sequence(b), 0
-
-    def decode_view(self, tokens):
-        return self
-
-    def next_positions(self):
-        return self.seq_lens.long()[:, None]
-
     def attend(self, layer_idx, q, k, v):
-        from .attention import attention_ref
-        from .cache import CacheFullError
-
         T, start = q.shape[2], self.seq_lens
-        longest = int(start.max())
-        if longest + T > self.max_len:
-            raise CacheFullError(f"the cache holds {self.max_len} positions per sequence; appending {T} "
-                                 f"token(s) to a sequence of {longest} would overflow it")
+        L = self._make_room(T)
         kq, ks, vq, vs = self.k[layer_idx], self.k_scale[layer_idx], self.v[layer_idx], self.v_scale[layer_idx]
         triton_kernels = self.kernels == "triton"
         (store_kv_int8 if triton_kernels else store_kv_int8_ref)(kq, ks, vq, vs, k, v, start)
@@ -236,14 +206,10 @@ class Int8KVCache:
             decode = int8_decode_attention if triton_kernels else int8_decode_attention_ref
             out = decode(q[:, :, 0], kq, ks, vq, vs, start + 1)[:, :, None]  # (B, H, 1, D)
         else:
-            if int(start.min()) != longest:
-                raise ValueError("a multi-token call must extend sequences of equal length")
-            L = longest + T
             k_all = dequantize_int8(kq[:, :, :L], ks[:, :, :L, None], q.dtype)  # (B, H_KV, L, D)
             v_all = dequantize_int8(vq[:, :, :L], vs[:, :, :L, None], q.dtype)
             out = attention_ref(q, k_all, v_all, causal=True)
-        if layer_idx == len(self.k) - 1:
-            self.seq_lens += T
+        self._advance(layer_idx, T)
         return out
 
 
@@ -264,8 +230,6 @@ def quality_report(model, ids, n_tokens: int = 200) -> dict:
     caches, for ``n_tokens`` steps. Reports greedy agreement (same argmax), the largest logit
     difference, perplexity of the text under each cache and the caches' bytes.
     """
-    from .cache import KVCache
-
     ids = list(ids)[: n_tokens + 1]
     if len(ids) < 2:
         raise ValueError("ids must hold at least 2 tokens")
