@@ -30,8 +30,11 @@ class CacheFullError(RuntimeError):
     """Appending would run past the cache's capacity; nothing was written."""
 
 
-def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None):
-    """kv_dtype: the caches' required dtype when it differs from q's (int8 caches, chapter 06)."""
+def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None) -> int:
+    """kv_dtype: the caches' required dtype when it differs from q's (int8 caches, chapter 06).
+
+    Returns the longest sequence. Reads seq_lens on the host once (one GPU sync per call: a decode
+    step over a few hundred MB of K/V takes ~100 µs, so every sync would show in the curves)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, seq_lens)):
         raise TypeError("q, k_cache, v_cache and seq_lens must be torch tensors")
     if q.dim() != 3:
@@ -53,9 +56,10 @@ def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None):
         raise ValueError(f"k_cache and v_cache must be {want} (q is {q.dtype}), got {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device == seq_lens.device):
         raise ValueError("q, k_cache, v_cache and seq_lens must be on one device")
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    lo, hi = torch.stack([seq_lens.min(), seq_lens.max()]).tolist()
     if lo < 1 or hi > k_cache.shape[2]:
         raise ValueError(f"seq_lens must lie in 1..S_max={k_cache.shape[2]}, got values in {lo}..{hi}")
+    return hi
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +203,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     num_splits: None chooses automatically (``choose_splits``); 1 disables split-K; a power of two
     forces that many splits.
     """
-    _check_cache_args(q, k_cache, v_cache, seq_lens)
+    longest = _check_cache_args(q, k_cache, v_cache, seq_lens)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("cache.decode_attention"):
@@ -207,17 +211,17 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
     return launch_decode(q, k_cache, v_cache, seq_lens, kv_strides, q.shape[1] // k_cache.shape[1], k_cache.shape[2],
-                         num_splits, block_table=None, block_size=1)
+                         num_splits, block_table=None, block_size=1, longest=longest)
 
 
 def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, block_table, block_size,
-                  k_scale=None, v_scale=None):
+                  k_scale=None, v_scale=None, longest=None):
     """Launch ``_decode_kernel`` (+ the split merge) for a contiguous cache or, with a block table,
     a paged one, or with scales an int8 one. ``kv_strides``: (k per-sequence-or-block, per-head,
     per-position, then the same for v)."""
     B, H, D = q.shape
     if num_splits is None:
-        num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()))
+        num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()) if longest is None else longest)
     check_num_splits(num_splits)
     split_len = triton.cdiv(max_len, num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
@@ -318,7 +322,8 @@ def store_kv(k_cache, v_cache, k_new, v_new, start):
         raise ValueError("new K/V rows and the caches must share one dtype")
     if start.shape != (B,) or start.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"start must be a (B={B},) int32/int64 tensor, got {tuple(start.shape)} {start.dtype}")
-    if int(start.min()) < 0 or int(start.max()) + T > k_cache.shape[2]:
+    lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
+    if lo < 0 or hi + T > k_cache.shape[2]:
         raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must share strides and be contiguous along D")

@@ -109,7 +109,7 @@ def _grouped_tiles(D: int, interpreter: bool) -> int:
 
 def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     """Decode attention with one program per (sequence, K/V head) serving its whole query group."""
-    _check_cache_args(q, k_cache, v_cache, seq_lens)
+    longest = _check_cache_args(q, k_cache, v_cache, seq_lens)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("gqa.grouped_decode_attention"):
@@ -118,7 +118,7 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     H_KV, S_max = k_cache.shape[1], k_cache.shape[2]
     n_rep = H // H_KV
     if num_splits is None:
-        num_splits = choose_splits(B * H_KV, int(seq_lens.max()))
+        num_splits = choose_splits(B * H_KV, longest)
     check_num_splits(num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)

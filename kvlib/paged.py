@@ -113,15 +113,19 @@ def _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens):
         raise ValueError(f"q, k_blocks, v_blocks must share one dtype, got {q.dtype}, {k_blocks.dtype}, {v_blocks.dtype}")
     if len({t.device for t in (q, k_blocks, v_blocks, block_tables, seq_lens)}) != 1:
         raise ValueError("q, k_blocks, v_blocks, block_tables and seq_lens must be on one device")
-    lens = seq_lens.tolist()
-    if min(lens) < 1 or max(lens) > block_tables.shape[1] * block_size:
+    # every block a sequence uses must be a real block; all checks read back in one host transfer
+    blocks_used = (seq_lens.long() + block_size - 1) // block_size  # (B,)
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < blocks_used[:, None]
+    outside = (used & ((block_tables < 0) | (block_tables >= num_blocks))).any(1)  # (B,)
+    lo, hi, *bad = torch.cat([torch.stack([seq_lens.min(), seq_lens.max()]).long(), outside.long()]).tolist()
+    if lo < 1 or hi > block_tables.shape[1] * block_size:
         raise ValueError(f"seq_lens must lie in 1..max_blocks*block_size={block_tables.shape[1] * block_size}, "
-                         f"got values in {min(lens)}..{max(lens)}")
-    for b, L in enumerate(lens):  # every block a sequence uses must be a real block
-        used = block_tables[b, : -(-L // block_size)]
-        if int(used.min()) < 0 or int(used.max()) >= num_blocks:
-            raise ValueError(f"block_tables[{b}] points outside the pool 0..{num_blocks - 1} "
-                             f"within its first {L} positions")
+                         f"got values in {lo}..{hi}")
+    if any(bad):
+        b = bad.index(1)
+        raise ValueError(f"block_tables[{b}] points outside the pool 0..{num_blocks - 1} "
+                         f"within its first {int(seq_lens[b])} positions")
+    return hi
 
 
 def paged_decode_attention_ref(q, k_blocks, v_blocks, block_tables, seq_lens):
@@ -145,7 +149,7 @@ def paged_decode_attention_ref(q, k_blocks, v_blocks, block_tables, seq_lens):
 
 def paged_decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, num_splits=None):
     """Decode attention reading K/V through block tables; same result as the reference."""
-    _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens)
+    longest = _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens)
     if k_blocks.stride(3) != 1 or v_blocks.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_blocks and v_blocks must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("paged.paged_decode_attention"):
@@ -155,7 +159,7 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, num_sp
                   v_blocks.stride(0), v_blocks.stride(2), v_blocks.stride(1))
     return launch_decode(q, k_blocks, v_blocks, seq_lens, kv_strides, q.shape[1] // H_KV,
                          block_tables.shape[1] * block_size, num_splits, block_table=block_tables,
-                         block_size=block_size)
+                         block_size=block_size, longest=longest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +198,8 @@ def store_paged(k_blocks, v_blocks, k_new, v_new, slots):
         raise ValueError(f"k_new/v_new must be (N, H_KV={H_KV}, D={D}), got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     if slots.shape != (k_new.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be a (N={k_new.shape[0]},) int tensor, got {tuple(slots.shape)} {slots.dtype}")
-    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * bs):
+    lo, hi = torch.stack([slots.min(), slots.max()]).tolist() if len(slots) else (0, 0)  # one host read
+    if lo < 0 or hi >= num_blocks * bs:
         raise ValueError(f"slots must lie in 0..{num_blocks * bs - 1}")
     if not (k_blocks.is_contiguous() and v_blocks.is_contiguous()):
         raise ValueError("k_blocks and v_blocks must be contiguous")

@@ -79,13 +79,14 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
 def _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens):
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"q must be floating point, got {q.dtype}")
-    _check_cache_args(q, k_q, v_q, seq_lens, kv_dtype=torch.int8)
+    longest = _check_cache_args(q, k_q, v_q, seq_lens, kv_dtype=torch.int8)
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(t, torch.Tensor) or t.shape != k_q.shape[:3] or t.dtype not in (torch.float16, torch.float32):
             raise ValueError(f"{name} must be fp16/fp32 of shape (B, H_KV, S_max) = {tuple(k_q.shape[:3])}, one "
                              f"scale per cached row, got {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', '')}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}")
+    return longest
 
 
 def int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens):
@@ -98,7 +99,7 @@ def int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens):
 
 def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=None):
     """Decode attention over an int8 cache, dequantizing inside the kernel; same result as the ref."""
-    _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
+    longest = _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
     if k_q.stride(3) != 1 or v_q.stride(3) != 1 or q.stride(2) != 1 or k_scale.stride(2) != 1 \
             or k_scale.stride() != v_scale.stride():
         raise ValueError("q and the int8 caches must be contiguous along D, the scales along positions "
@@ -107,7 +108,7 @@ def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=No
         return int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens)
     kv_strides = (k_q.stride(0), k_q.stride(1), k_q.stride(2), v_q.stride(0), v_q.stride(1), v_q.stride(2))
     return launch_decode(q, k_q, v_q, seq_lens, kv_strides, q.shape[1] // k_q.shape[1], k_q.shape[2], num_splits,
-                         block_table=None, block_size=1, k_scale=k_scale, v_scale=v_scale)
+                         block_table=None, block_size=1, k_scale=k_scale, v_scale=v_scale, longest=longest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
         raise TypeError("k_q and v_q must be int8")
     if not all(t.is_contiguous() for t in (k_q, v_q, k_scale, v_scale)):
         raise ValueError("the int8 caches and their scales must be contiguous")
-    if int(start.min()) < 0 or int(start.max()) + T > k_q.shape[2]:
+    lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
+    if lo < 0 or hi + T > k_q.shape[2]:
         raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_q.shape[2]}")
     if not runtime.require_triton("quant.store_kv_int8"):
         return store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start)

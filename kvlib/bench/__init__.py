@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import torch
 
-from . import runtime
+from .. import runtime
 
 __all__ = ["time_ms", "tensor_bytes", "peak_memory_bytes", "copy_bandwidth_gbps", "plot_curves", "gbps"]
 
@@ -122,7 +122,8 @@ def copy_bandwidth_gbps(nbytes: int | None = None) -> float:
 def plot_curves(x, series: dict, *, xlabel: str, ylabel: str, title: str, logx: bool = True,
                 logy: bool = True, device: str | None = None, reference: dict | None = None,
                 reference_device: str | None = None, ax=None, marker: str = "o"):
-    """One labelled figure: each ``series`` is {label: y values over x} (None = not measured).
+    """One labelled figure: each ``series`` is {label: y values over x} (None = not measured), or,
+    with ``x=None``, {label: (xs, ys)} (curves with their own x values, as ``results.curves`` gives).
 
     ``reference``: optional curves measured elsewhere (e.g. committed results from a real GPU),
     drawn dashed and labelled with ``reference_device``. The title ends with the device name.
@@ -133,7 +134,8 @@ def plot_curves(x, series: dict, *, xlabel: str, ylabel: str, title: str, logx: 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4.2))
     for label, ys in series.items():
-        pts = [(a, b) for a, b in zip(x, ys) if b is not None]
+        xs, ys = ys if x is None else (x, ys)
+        pts = [(a, b) for a, b in zip(xs, ys) if b is not None]
         if pts:
             ax.plot(*zip(*pts), marker=marker, label=label)
     for label, (rx, ry) in (reference or {}).items():

@@ -1,0 +1,290 @@
+"""Result rows: the stamp, results.csv, curves from rows, committed GPU references, the headline table.
+
+A result row is a flat dict with the keys in ``COLUMNS``: what was measured (sweep, kernel, shape,
+dtype), what came out (time, bytes moved, GB/s, % of this machine's measured copy bandwidth, speed
+ratio against the sweep's baseline, max |difference| against the baseline's output) and the stamp
+(device, driver, CUDA, torch and triton versions, date) so a file read elsewhere says where its
+numbers came from. Empty fields are written as "" and read back as None.
+
+Committed results from a real GPU live in ``docs/results/<gpu>/results.csv``; the notebooks draw
+them, dashed and labelled with that GPU, beside the learner's own curves (``reference``).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+
+__all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "results_dirs", "TARGETS",
+           "headline_table", "headline_markdown", "plot_sweep", "PLOTS"]
+
+COLUMNS = [
+    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory
+    "kernel",  # what ran (a Triton kernel, a PyTorch path, SDPA...)
+    "B", "H", "H_KV", "S", "T", "D",  # shape glossary of the course (T: new tokens, S: cached length)
+    "block_size",  # positions per cache block (paged rows)
+    "dtype",
+    "time_ms",  # median time per call (do_bench with a cold L2 on a GPU)
+    "bytes_moved",  # bytes the call must read + write at least
+    "gbps",  # bytes_moved / time, 1 GB = 1e9 bytes
+    "pct_copy_bw",  # gbps as % of this machine's measured copy bandwidth (the roofline)
+    "tflops",  # prefill rows: useful FLOPs / time (causal: half the products)
+    "baseline",  # the row this one is compared with
+    "vs_baseline",  # baseline time / this time (> 1: faster than the baseline)
+    "max_abs_err",  # max |output - baseline's output| (or the reference's)
+    "memory_bytes",  # memory rows: bytes measured; copy rows: one buffer's bytes
+    "predicted_bytes",  # memory rows: bytes by the formula of chapter 04
+    "headline",  # 1 where the point counts for the headline table (e.g. KV read >= 256 MB)
+    "status",  # ok | correctness only (interpreter) | out of memory | skipped: ... | MISMATCH ...
+    "device", "mode", "driver", "cuda", "torch", "triton", "date",  # the stamp
+]
+STAMP_KEYS = ["device", "mode", "driver", "cuda", "torch", "triton", "date"]
+_INT = {"B", "H", "H_KV", "S", "T", "D", "block_size", "bytes_moved", "memory_bytes", "predicted_bytes", "headline"}
+_FLOAT = {"time_ms", "gbps", "pct_copy_bw", "tflops", "vs_baseline", "max_abs_err"}
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver version (nvidia-smi, else /proc), None without one."""
+    if runtime.DEVICE != "cuda":
+        return None
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        m = re.search(r"Kernel Module\s+([\d.]+)", Path("/proc/driver/nvidia/version").read_text())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def stamp() -> dict:
+    """Where and when: device name, mode, driver, CUDA, torch and triton versions, UTC date."""
+    triton = None
+    if runtime.HAS_TRITON:
+        import triton as _t
+
+        triton = _t.__version__
+    return {
+        "device": runtime.device_name(),
+        "mode": runtime.mode(),
+        "driver": _driver(),
+        "cuda": torch.version.cuda if runtime.DEVICE == "cuda" else None,
+        "torch": torch.__version__,
+        "triton": triton,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "python": platform.python_version(),
+    }
+
+
+def write_csv(rows: list[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(r.get(k)) for k in COLUMNS})
+    return path
+
+
+def _fmt(v):
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def read_csv(path) -> list[dict]:
+    """Rows of a results.csv, numbers parsed back, empty fields as None."""
+    rows = []
+    with Path(path).open(newline="") as f:
+        for raw in csv.DictReader(f):
+            row = {}
+            for k, v in raw.items():
+                if v == "" or v is None:
+                    row[k] = None
+                elif k in _INT:
+                    row[k] = int(float(v))
+                elif k in _FLOAT:
+                    row[k] = float(v)
+                else:
+                    row[k] = v
+            rows.append(row)
+    return rows
+
+
+def _matches(row, where: dict) -> bool:
+    return all(row.get(k) == v for k, v in where.items())
+
+
+def curves(rows, *, x: str, y: str, series=("kernel",), where: dict | None = None) -> dict:
+    """{label: (xs, ys)} from rows: one curve per distinct value of the ``series`` columns, keeping
+    rows that match ``where`` and have a value for ``y``; sorted by ``x``."""
+    out: dict = {}
+    for r in rows:
+        if not _matches(r, where or {}) or r.get(y) is None or r.get(x) is None:
+            continue
+        label = " ".join(str(r[c]) if c == "kernel" else f"{c}={r[c]}" for c in series)
+        out.setdefault(label, []).append((r[x], r[y]))
+    return {k: tuple(map(list, zip(*sorted(v)))) for k, v in out.items()}
+
+
+def results_dirs(root=None) -> list[Path]:
+    """Folders under docs/results/ holding a committed results.csv (one per GPU)."""
+    root = Path(root) if root else Path(__file__).resolve().parents[2] / "docs" / "results"
+    return sorted(p.parent for p in root.glob("*/results.csv")) if root.is_dir() else []
+
+
+def reference(sweep: str, root=None):
+    """(label, rows) of the first committed GPU result with rows for ``sweep``, or (None, []).
+
+    The label names the GPU and its stamp (driver, torch, triton, date), for plot legends."""
+    for d in results_dirs(root):
+        rows = [r for r in read_csv(d / "results.csv") if r["sweep"] == sweep and r.get("mode") == "gpu"]
+        if rows:
+            r = rows[0]
+            label = (f"{r['device']}, driver {r['driver']}, torch {r['torch']}, triton {r['triton']}, "
+                     f"{(r['date'] or '')[:10]}")
+            return label, rows
+    return None, []
+
+
+# --------------------------------------------------------------------------------------------
+# Headline table: one line per kernel with a target (README, summary.md)
+# --------------------------------------------------------------------------------------------
+
+# (sweep, kernel, metric, target, where, what the target says)
+TARGETS = [
+    ("decode", "decode (split-K auto)", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, KV read ≥ 256 MB"),
+    ("decode", "decode (no split)", "pct_copy_bw", None, {}, "(split-K off, for comparison)"),
+    ("paged", "paged block 16", "vs_baseline", 0.90, {}, "≥ 0.90× the contiguous kernel"),
+    ("paged", "paged block 128", "vs_baseline", 0.90, {}, "≥ 0.90× the contiguous kernel"),
+    ("paged", "paged block 1", "vs_baseline", None, {}, "(one position per block, for comparison)"),
+    ("int8", "int8 decode (fused dequant)", "vs_baseline", 1.6, {}, "≥ 1.6× the fp16 kernel"),
+    ("int8", "dequantize, then fp16 decode", "vs_baseline", None, {}, "(unfused, for comparison)"),
+    ("grouped", "grouped decode", "vs_baseline", 3.5, {"H": 32, "H_KV": 8}, "≥ 3.5× repeat K/V, 32/8 heads"),
+    ("grouped", "per-query-head decode", "vs_baseline", None, {"H": 32, "H_KV": 8}, "(chapter 03 kernel, for comparison)"),
+    ("prefill", "flash_attention", "vs_baseline", 1.0, {}, "≥ 1.0× SDPA at S ≥ 4K"),
+    ("store", "store_kv", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, ≥ 16K tokens"),
+    ("store", "store_paged (block 16)", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, ≥ 16K tokens"),
+    ("store", "store_kv_int8", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, ≥ 16K tokens"),
+]
+
+
+def headline_table(rows) -> list[dict]:
+    """Per target: the headline points' median (and min, max) % of copy bandwidth and ratio against
+    the baseline, and whether the median meets the target. Kernels without headline points are left out."""
+    table = []
+    for sweep, kernel, metric, target, where, says in TARGETS:
+        pts = [r for r in rows if r["sweep"] == sweep and r["kernel"] == kernel and r.get("headline")
+               and r.get("time_ms") is not None and _matches(r, where)]
+        if not pts:
+            continue
+
+        def stats(col):
+            vals = [r[col] for r in pts if r.get(col) is not None]
+            return (statistics.median(vals), min(vals), max(vals)) if vals else None
+
+        pct, ratio = stats("pct_copy_bw"), stats("vs_baseline")
+        value = (pct if metric == "pct_copy_bw" else ratio)
+        table.append({
+            "sweep": sweep, "kernel": kernel, "points": len(pts), "baseline": pts[0].get("baseline"),
+            "pct_copy_bw": pct, "vs_baseline": ratio, "target": says, "metric": metric,
+            "met": None if target is None or value is None else value[0] >= target,
+            "shortfall": None if target is None or value is None else value[0] - target,
+        })
+    return table
+
+
+def headline_markdown(rows, st: dict | None = None) -> str:
+    """The headline table as Markdown (the README's results table is pasted from this)."""
+    table = headline_table(rows)
+    lines = []
+    if st:
+        gpu = f"driver {st.get('driver')}, CUDA {st.get('cuda')}, " if st.get("cuda") else ""
+        lines.append(f"Measured on **{st.get('device')}** ({gpu}torch {st.get('torch')}, triton {st.get('triton')}, "
+                     f"{st.get('mode')} mode), {st.get('date')}.\n")
+    if not table:
+        lines.append("No headline points: they need a GPU (KV read ≥ 256 MB, S ≥ 4K, ≥ 16K tokens stored). "
+                     "A CPU run checks correctness and times the PyTorch paths only.")
+        return "\n".join(lines) + "\n"
+    lines += ["| sweep | kernel | points | % of copy bandwidth, median (min–max) | vs baseline, median (min–max) "
+              "| target | met |",
+              "|---|---|---|---|---|---|---|"]
+
+    def cell(s, fmt):
+        return "–" if s is None else f"{fmt(s[0])} ({fmt(s[1])}–{fmt(s[2])})"
+
+    for t in table:
+        met = "–" if t["met"] is None else ("yes" if t["met"] else
+                                            f"**no** ({t['shortfall']:+.2f}{'' if t['metric'] == 'vs_baseline' else ' points'})")
+        lines.append(f"| {t['sweep']} | {t['kernel']} | {t['points']} | {cell(t['pct_copy_bw'], lambda v: f'{v:.0f}%')} "
+                     f"| {cell(t['vs_baseline'], lambda v: f'{v:.2f}×')} vs {t['baseline']} | {t['target']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Plots: one PNG per sweep, panels by batch size
+# --------------------------------------------------------------------------------------------
+
+# sweep -> (x column, y column, x label, y label, series columns, log y)
+PLOTS = {
+    "copy": ("memory_bytes", "gbps", "buffer size (bytes)", "achieved bandwidth (GB/s)", ("kernel",), False),
+    "prefill": ("S", "tflops", "sequence length S (tokens)", "TFLOP/s (causal)", ("kernel", "H", "H_KV"), False),
+    "decode": ("S", "pct_copy_bw", "context length S (tokens)", "% of measured copy bandwidth",
+               ("kernel", "H", "H_KV"), False),
+    "paged": ("S", "pct_copy_bw", "context length S (tokens)", "% of measured copy bandwidth", ("kernel",), False),
+    "int8": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel",), True),
+    "grouped": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel", "H", "H_KV"), True),
+    "store": ("T", "pct_copy_bw", "new tokens written T", "% of measured copy bandwidth", ("kernel",), False),
+    "memory": ("S", "memory_bytes", "context length S (tokens)", "bytes held (4 layers, batch 1)", ("kernel",), True),
+}
+
+
+def plot_sweep(rows, sweep: str, path=None, reference_rows=None, reference_label=None):
+    """The sweep's figure: one panel per batch size (decode-like sweeps), each curve one kernel
+    (and head layout); committed reference rows dashed. Saved to ``path`` when given."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from . import plot_curves
+
+    x, y, xlabel, ylabel, series, logy = PLOTS[sweep]
+    rows = [r for r in rows if r["sweep"] == sweep]
+    batches = sorted({r["B"] for r in rows if r.get(y) is not None and r.get("B") is not None}) or [None]
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.4), squeeze=False)
+    device = rows[0]["device"] if rows else runtime.device_name()
+    for ax, B in zip(axes[0], batches):
+        where = {} if B is None else {"B": B}
+        own = curves(rows, x=x, y=y, series=series, where=where)
+        ref = curves(reference_rows or [], x=x, y=y, series=series, where=where)
+        shape = next((r for r in rows if _matches(r, where)), {})
+        what = ", ".join(f"{k}={shape[k]}" for k in ("B", "D", "dtype") if shape.get(k) is not None)
+        plot_curves(None, own, xlabel=xlabel, ylabel=ylabel, title=f"{sweep}: {what}", logy=logy, device=device,
+                    reference=ref, reference_device=reference_label, ax=ax)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig

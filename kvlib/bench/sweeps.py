@@ -1,0 +1,602 @@
+"""The benchmark sweeps: one generator per kernel family, all run by one loop (``run``).
+
+Each sweep yields ``Point`` descriptions (a shape, and a ``build`` function that allocates the
+inputs and returns the callables to time). ``run`` builds each point, runs every callable once to
+check its output against the point's baseline, times it with ``bench.time_ms`` and turns it into a
+result row (see ``results.COLUMNS``).
+
+- GPU: every callable is timed (``triton.testing.do_bench``, cold L2). Workloads follow the course's
+  targets: heads 32/8/128, 64/8/128, 32/32/128; batch 1, 8, 32, 128; context 1K to 128K where
+  memory allows. An out-of-memory error ends that curve; the sweep goes on with the next one.
+- CPU (``quick``): the PyTorch paths are timed at small sizes, and every Triton kernel runs once in
+  the interpreter at a small awkward shape, for correctness only (no time: the interpreter's speed
+  says nothing about the kernel's).
+
+Sweeps: copy (the roofline), prefill, decode, paged, int8, grouped, store, memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .. import runtime
+from . import copy_bandwidth_gbps, gbps, peak_memory_bytes, tensor_bytes, time_ms
+
+__all__ = ["SWEEPS", "Point", "Kernel", "run"]
+
+HEADS = [(32, 8, 128), (64, 8, 128), (32, 32, 128)]  # (H, H_KV, D): Llama-3-8B, Llama-3-70B, Llama-2-7B
+HEADLINE_KV_BYTES = 256 * 10**6  # GPU headline points read at least this much K/V
+TOL = {torch.float16: 2e-2, torch.float32: 1e-4}
+
+
+@dataclass
+class Kernel:
+    fn: Callable  # the call to time
+    triton: bool  # True: a Triton kernel (interpreter on CPU: run once for correctness, not timed)
+    bytes_moved: int | None = None  # least bytes read + written per call
+    result: Callable | None = None  # what to compare after fn() ran (default: fn's return value)
+    expected: str | None = None  # compare with this kernel's output instead of the baseline's
+    tol: float | None = None  # max |difference| allowed (default: by dtype)
+    compare: bool = True  # False: nothing to compare with (a different computation than the baseline)
+
+
+@dataclass
+class Point:
+    sweep: str
+    shape: dict  # B, H, H_KV, S, T, D, block_size, dtype (any subset)
+    build: Callable  # allocates the inputs -> {name: Kernel}, first timed entry = the baseline (memory: rows)
+    curve: tuple = ()  # points of one curve share this key; out of memory ends the curve
+    headline: bool = False
+    flops: float | None = None  # useful FLOPs per call (prefill)
+    need_bytes: int = 0  # rough device memory the point needs (skip if clearly more than free)
+    timed: bool = True  # False: a correctness-only point (CPU interpreter)
+    extra: dict = field(default_factory=dict)  # more columns for every row (memory sweep)
+
+
+def _dt(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _randn(*shape, dtype, device, gen=None):
+    return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
+
+
+def _sizes(ctx, *, gpu, quick, cpu):
+    if ctx.gpu:
+        return quick if ctx.quick else gpu
+    return cpu
+
+
+class Ctx:
+    """What a sweep needs to know about this run."""
+
+    def __init__(self, quick: bool):
+        self.gpu = runtime.mode() == "gpu"
+        self.quick = quick
+        self.device = runtime.DEVICE
+        self.dtype = torch.float16 if self.gpu else torch.float32  # CPU matmuls are slow in fp16
+        self.check_dtype = torch.float16  # interpreter correctness points: the GPU's dtype
+        self.copy_bw = copy_bandwidth_gbps()
+        self.time_kw = {} if self.gpu else {"warmup": 1, "rep": 5}
+
+
+# --------------------------------------------------------------------------------------------
+# copy: the roofline every bandwidth-bound kernel is compared with
+# --------------------------------------------------------------------------------------------
+
+
+def copy(ctx: Ctx) -> Iterator[Point]:
+    from ..vector_add import add
+
+    mib = _sizes(ctx, gpu=[1, 4, 16, 64, 256, 1024], quick=[16, 256, 1024], cpu=[1, 4, 16, 64])
+    for m in mib:
+        n = m * 2**20 // 4
+
+        def build(n=n):
+            a = torch.randn(n, device=ctx.device)
+            b = torch.randn(n, device=ctx.device)
+            dst = torch.empty_like(a)
+            return {"torch copy": Kernel(lambda: dst.copy_(a), False, 2 * a.nbytes),
+                    "torch add": Kernel(lambda: a + b, False, 3 * a.nbytes, compare=False),
+                    "triton add": Kernel(lambda: add(a, b), True, 3 * a.nbytes, expected="torch add")}
+
+        yield Point("copy", {"dtype": "float32"}, build, curve=("copy",), headline=m * 2**20 >= HEADLINE_KV_BYTES,
+                    need_bytes=4 * n * 4, extra={"memory_bytes": n * 4})
+    if not ctx.gpu:  # the interpreter's correctness point
+        def build_check():
+            a = torch.randn(1000, device=ctx.device)
+            return {"torch add": Kernel(lambda: a + a, False, 12000), "triton add": Kernel(lambda: add(a, a), True)}
+
+        yield Point("copy", {"dtype": "float32"}, build_check, curve=("copy-check",), timed=False,
+                    extra={"memory_bytes": 4000})
+
+
+# --------------------------------------------------------------------------------------------
+# prefill: the flash-attention kernel vs SDPA
+# --------------------------------------------------------------------------------------------
+
+
+def prefill(ctx: Ctx) -> Iterator[Point]:
+    from ..attention import attention_ref, flash_attention
+
+    if ctx.gpu:
+        heads = HEADS[:1] if ctx.quick else HEADS
+        seqs = [4096, 16384] if ctx.quick else [1024, 2048, 4096, 8192, 16384]
+    else:
+        heads, seqs = [(8, 2, 64)], [256, 512, 1024]
+    for H, H_KV, D in heads:
+        for S in seqs:
+            yield _prefill_point(ctx, 1, H, H_KV, S, D, ctx.dtype, timed=True, flash=flash_attention,
+                                 ref=None if ctx.gpu else attention_ref)
+    if not ctx.gpu:
+        yield _prefill_point(ctx, 1, 4, 2, 100, 64, ctx.check_dtype, timed=False, flash=flash_attention, ref=None)
+
+
+def _prefill_point(ctx, B, H, H_KV, S, D, dtype, *, timed, flash, ref):
+    def build():
+        q = _randn(B, H, S, D, dtype=dtype, device=ctx.device)
+        k = _randn(B, H_KV, S, D, dtype=dtype, device=ctx.device)
+        v = _randn(B, H_KV, S, D, dtype=dtype, device=ctx.device)
+        kr, vr = k.repeat_interleave(H // H_KV, 1), v.repeat_interleave(H // H_KV, 1)  # SDPA gets K/V pre-repeated
+        nbytes = 2 * q.nbytes + k.nbytes + v.nbytes
+        cast = dtype == torch.float16 and not ctx.gpu  # CPU SDPA reference in fp32 for the fp16 check
+        ks = {"SDPA": Kernel(lambda: F.scaled_dot_product_attention(
+            *((t.float() for t in (q, kr, vr)) if cast else (q, kr, vr)), is_causal=True), False, nbytes)}
+        if ref is not None:
+            ks["attention_ref"] = Kernel(lambda: ref(q, k, v), False, nbytes)
+        if ctx.gpu or not timed:
+            ks["flash_attention"] = Kernel(lambda: flash(q, k, v), True, nbytes)
+        return ks
+
+    flops = 4 * B * H * S * S * D / 2  # causal: half of the S x S products
+    return Point("prefill", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": S, "D": D, "dtype": _dt(dtype)}, build,
+                 curve=("prefill", H, H_KV, D, timed), headline=S >= 4096, flops=flops,
+                 need_bytes=B * (2 * H + 4 * H) * S * D * 2, timed=timed)
+
+
+# --------------------------------------------------------------------------------------------
+# decode: split-K decode kernel vs SDPA on the same contiguous cache
+# --------------------------------------------------------------------------------------------
+
+
+def _decode_shapes(ctx, full_heads=HEADS, full_batch=(1, 8, 32, 128), full_ctx=(1024, 4096, 16384, 65536, 131072),
+                   quick=((32, 8, 128), (8,), (4096, 16384, 65536))):
+    """(H, H_KV, D, B, S) in curve order (S innermost) for a timed decode-like sweep."""
+    if ctx.gpu:
+        heads, batch, ctxs = ((quick[0],), quick[1], quick[2]) if ctx.quick else (full_heads, full_batch, full_ctx)
+    else:
+        heads, batch, ctxs = ((32, 8, 128),), (1,), (512, 2048, 8192)
+    for H, H_KV, D in heads:
+        for B in batch:
+            for S in ctxs:
+                yield H, H_KV, D, B, S
+
+
+def _kv(ctx, B, H, H_KV, S, D, dtype):
+    q = _randn(B, H, D, dtype=dtype, device=ctx.device)
+    k = _randn(B, H_KV, S, D, dtype=dtype, device=ctx.device)
+    v = _randn(B, H_KV, S, D, dtype=dtype, device=ctx.device)
+    lens = torch.full((B,), S, dtype=torch.int32, device=ctx.device)
+    return q, k, v, lens
+
+
+def _kv_bytes(B, H_KV, S, D, elt):
+    return 2 * B * H_KV * S * D * elt
+
+
+def decode(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import decode_attention, decode_attention_ref
+
+    def point(H, H_KV, D, B, S, dtype, timed):
+        def build():
+            q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
+            nbytes = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
+            qs, ks_, vs_ = ((t.float() for t in (q, k, v)) if dtype == torch.float16 and not ctx.gpu else (q, k, v))
+            ks = {"SDPA": Kernel(lambda: F.scaled_dot_product_attention(qs[:, :, None], ks_, vs_, enable_gqa=H != H_KV)[:, :, 0],
+                                 False, nbytes)}
+            if not ctx.gpu and timed:
+                ks["decode_attention_ref"] = Kernel(lambda: decode_attention_ref(q, k, v, lens), False, nbytes)
+            if ctx.gpu or not timed:
+                ks["decode (split-K auto)"] = Kernel(lambda: decode_attention(q, k, v, lens), True, nbytes)
+                ks["decode (no split)"] = Kernel(lambda: decode_attention(q, k, v, lens, num_splits=1), True, nbytes)
+                if not timed:
+                    ks["decode (4 splits)"] = Kernel(lambda: decode_attention(q, k, v, lens, num_splits=4), True, nbytes)
+            return ks
+
+        kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
+        return Point("decode", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
+                     curve=("decode", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
+                     need_bytes=kvb * (1 + H // H_KV), timed=timed)  # SDPA may repeat K/V for GQA
+
+    for H, H_KV, D, B, S in _decode_shapes(ctx):
+        yield point(H, H_KV, D, B, S, ctx.dtype, True)
+    if not ctx.gpu:
+        yield point(8, 2, 64, 2, 300, ctx.check_dtype, False)
+
+
+# --------------------------------------------------------------------------------------------
+# paged: the decode kernel through block tables (random physical blocks) vs contiguous
+# --------------------------------------------------------------------------------------------
+
+
+def _to_blocks(k, block_size, perm):
+    """(B, H_KV, S, D) -> a pool (num_blocks, block_size, H_KV, D) where logical block i of
+    sequence b lives in physical block perm[b * blocks_per_seq + i]."""
+    B, H_KV, S, D = k.shape
+    nb = S // block_size
+    pool = torch.empty(B * nb, block_size, H_KV, D, dtype=k.dtype, device=k.device)
+    pool[perm] = k.permute(0, 2, 1, 3).reshape(B * nb, block_size, H_KV, D)
+    return pool
+
+
+def paged(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import decode_attention, decode_attention_ref
+    from ..paged import paged_decode_attention, paged_decode_attention_ref
+
+    block_sizes = (1, 16, 128)
+
+    def point(H, H_KV, D, B, S, dtype, timed, lens_list=None):
+        def build():
+            q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
+            if lens_list is not None:
+                lens = torch.tensor(lens_list, dtype=torch.int32, device=ctx.device)
+            nbytes = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
+            gen = torch.Generator(device=ctx.device).manual_seed(0)
+            ks = {}
+            if ctx.gpu:
+                ks["contiguous decode"] = Kernel(lambda: decode_attention(q, k, v, lens), True, nbytes)
+            else:
+                ks["decode_attention_ref"] = Kernel(lambda: decode_attention_ref(q, k, v, lens), False, nbytes)
+            for bs in block_sizes:
+                nb = S // bs
+                perm = torch.randperm(B * nb, device=ctx.device, generator=gen)
+                kb, vb = _to_blocks(k, bs, perm), _to_blocks(v, bs, perm)
+                tables = perm.view(B, nb).to(torch.int32)
+                nbytes_p = nbytes + tables.nbytes
+                if ctx.gpu or not timed:
+                    ks[f"paged block {bs}"] = Kernel(
+                        lambda kb=kb, vb=vb, t=tables: paged_decode_attention(q, kb, vb, t, lens), True, nbytes_p)
+                else:
+                    ks[f"paged_decode_attention_ref block {bs}"] = Kernel(
+                        lambda kb=kb, vb=vb, t=tables: paged_decode_attention_ref(q, kb, vb, t, lens), False, nbytes_p)
+            return ks
+
+        kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
+        return Point("paged", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
+                     curve=("paged", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
+                     need_bytes=kvb * (1 + len(block_sizes)), timed=timed)
+
+    for H, H_KV, D, B, S in _decode_shapes(ctx, full_heads=HEADS[:1], full_batch=(8, 32),
+                                           full_ctx=(4096, 16384, 65536), quick=((32, 8, 128), (8,), (16384, 65536))):
+        yield point(H, H_KV, D, B, S, ctx.dtype, True)
+    if not ctx.gpu:  # ragged lengths: partly filled last blocks
+        yield point(4, 2, 64, 2, 256, ctx.check_dtype, False, lens_list=[256, 201])
+
+
+# --------------------------------------------------------------------------------------------
+# int8: the decode kernel reading int8 + scales vs fp16, and vs dequantize-then-attend
+# --------------------------------------------------------------------------------------------
+
+
+def _int8_kv(ctx, B, H_KV, S, D, dtype, gen):
+    """Random int8 rows and fp16 scales, and the same numbers in ``dtype`` (so both paths see one cache)."""
+    kq = torch.randint(-127, 128, (B, H_KV, S, D), dtype=torch.int8, device=ctx.device, generator=gen)
+    ks = (0.01 + 0.02 * torch.rand(B, H_KV, S, device=ctx.device, generator=gen)).half()
+    return kq, ks, (kq.to(dtype) * ks[..., None].to(dtype))
+
+
+def int8(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import decode_attention, decode_attention_ref
+    from ..quant import dequantize_int8, int8_decode_attention, int8_decode_attention_ref
+
+    def point(H, H_KV, D, B, S, dtype, timed):
+        def build():
+            gen = torch.Generator(device=ctx.device).manual_seed(0)
+            q = _randn(B, H, D, dtype=dtype, device=ctx.device)
+            kq, ks, k = _int8_kv(ctx, B, H_KV, S, D, dtype, gen)
+            vq, vs, v = _int8_kv(ctx, B, H_KV, S, D, dtype, gen)
+            lens = torch.full((B,), S, dtype=torch.int32, device=ctx.device)
+            b16 = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
+            b8 = _kv_bytes(B, H_KV, S, D, 1) + 2 * ks.nbytes + 2 * q.nbytes
+            deq = b8 + 2 * b16  # read int8 + scales, write the fp16 copy, read it again
+            if ctx.gpu or not timed:
+                fp16 = lambda: decode_attention(q, k, v, lens)  # noqa: E731
+                fused = lambda: int8_decode_attention(q, kq, ks, vq, vs, lens)  # noqa: E731
+                name16 = f"{_dt(dtype)} decode"
+            else:
+                fp16 = lambda: decode_attention_ref(q, k, v, lens)  # noqa: E731
+                fused = lambda: int8_decode_attention_ref(q, kq, ks, vq, vs, lens)  # noqa: E731
+                name16 = f"{_dt(dtype)} decode_attention_ref"
+            two_step = lambda: decode_attention(  # noqa: E731
+                q, dequantize_int8(kq, ks[..., None], dtype), dequantize_int8(vq, vs[..., None], dtype), lens)
+            ks_ = {name16: Kernel(fp16, ctx.gpu, b16),
+                   ("int8 decode (fused dequant)" if ctx.gpu or not timed else "int8_decode_attention_ref"):
+                       Kernel(fused, ctx.gpu or not timed, b8)}
+            if ctx.gpu:
+                ks_["dequantize, then fp16 decode"] = Kernel(two_step, True, deq)
+            return ks_
+
+        kvb = _kv_bytes(B, H_KV, S, D, 2)
+        return Point("int8", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
+                     curve=("int8", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
+                     need_bytes=kvb * 3, timed=timed)
+
+    for H, H_KV, D, B, S in _decode_shapes(ctx, full_heads=HEADS[:1], full_batch=(8, 32),
+                                           full_ctx=(4096, 16384, 65536), quick=((32, 8, 128), (8,), (16384, 65536))):
+        yield point(H, H_KV, D, B, S, ctx.dtype, True)
+    if not ctx.gpu:
+        yield point(8, 2, 64, 2, 300, ctx.check_dtype, False)
+
+
+# --------------------------------------------------------------------------------------------
+# grouped: one program per K/V head for its whole query group vs repeating K/V
+# --------------------------------------------------------------------------------------------
+
+
+def grouped(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import decode_attention, decode_attention_ref
+    from ..gqa import grouped_decode_attention, grouped_decode_attention_ref, repeat_kv
+
+    def point(H, H_KV, D, B, S, dtype, timed):
+        n_rep = H // H_KV
+
+        def build():
+            q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
+            nbytes = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
+            rep_bytes = nbytes + 2 * n_rep * _kv_bytes(B, H_KV, S, D, k.element_size())  # + write and read the copy
+            dec = decode_attention if ctx.gpu else decode_attention_ref
+            ks = {"repeat K/V + decode": Kernel(lambda: dec(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), lens),
+                                                ctx.gpu, rep_bytes)}
+            if ctx.gpu or not timed:
+                ks["per-query-head decode"] = Kernel(lambda: decode_attention(q, k, v, lens), True, nbytes)
+                ks["grouped decode"] = Kernel(lambda: grouped_decode_attention(q, k, v, lens), True, nbytes)
+            else:
+                ks["grouped_decode_attention_ref"] = Kernel(lambda: grouped_decode_attention_ref(q, k, v, lens),
+                                                            False, nbytes)
+            return ks
+
+        kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
+        return Point("grouped", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
+                     curve=("grouped", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
+                     need_bytes=kvb * (1 + n_rep), timed=timed)
+
+    for H, H_KV, D, B, S in _decode_shapes(ctx, full_heads=HEADS[:2], full_batch=(1, 8, 32),
+                                           full_ctx=(4096, 16384, 65536), quick=((32, 8, 128), (8,), (16384, 65536))):
+        yield point(H, H_KV, D, B, S, ctx.dtype, True)
+    if not ctx.gpu:
+        yield point(8, 2, 64, 2, 300, ctx.check_dtype, False)
+
+
+# --------------------------------------------------------------------------------------------
+# store: writing T new tokens' K/V into the caches (prefill-sized writes)
+# --------------------------------------------------------------------------------------------
+
+
+def store(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import store_kv, store_kv_ref
+    from ..paged import store_paged, store_paged_ref
+    from ..quant import store_kv_int8, store_kv_int8_ref
+
+    H_KV, D, bs = 8, 128, 16
+
+    def point(B, T, dtype, timed, D=D, H_KV=H_KV):
+        def build():
+            kn = _randn(B, H_KV, T, D, dtype=dtype, device=ctx.device)
+            vn = _randn(B, H_KV, T, D, dtype=dtype, device=ctx.device)
+            S_max = T + 7  # written at an odd offset
+            start = torch.full((B,), 7, dtype=torch.int64, device=ctx.device)
+            kc, vc, kc0, vc0 = (torch.zeros(B, H_KV, S_max, D, dtype=dtype, device=ctx.device) for _ in range(4))
+            n_blocks = B * math.ceil(S_max / bs)
+            kb, vb = (torch.zeros(n_blocks, bs, H_KV, D, dtype=dtype, device=ctx.device) for _ in range(2))
+            slots = torch.randperm(n_blocks * bs, device=ctx.device)[: B * T]  # scattered rows
+            kp, vp = (t.transpose(1, 2).reshape(B * T, H_KV, D).contiguous() for t in (kn, vn))  # (N, H_KV, D)
+            kq, vq = (torch.zeros(B, H_KV, S_max, D, dtype=torch.int8, device=ctx.device) for _ in range(2))
+            ksc, vsc = (torch.ones(B, H_KV, S_max, dtype=torch.float16, device=ctx.device) for _ in range(2))
+            b16 = 2 * (kn.nbytes + vn.nbytes)  # read the new rows, write them
+            b8 = kn.nbytes + vn.nbytes + 2 * B * H_KV * T * (D + 2)  # read fp16/fp32, write int8 + fp16 scale
+
+            def torch_copy():
+                kc0[:, :, 7:7 + T] = kn
+                vc0[:, :, 7:7 + T] = vn
+                return kc0[:, :, 7:7 + T]
+
+            triton = ctx.gpu or not timed
+            written = lambda: kc[:, :, 7:7 + T]  # noqa: E731
+            paged_rows = lambda: kb.view(-1, H_KV, D)[slots]  # noqa: E731
+            int8_rows = lambda: kq[:, :, 7:7 + T].float() * ksc[:, :, 7:7 + T, None].float()  # noqa: E731
+            ks = {"torch slice copy": Kernel(torch_copy, False, b16)}
+            names = ("store_kv", "store_paged (block 16)", "store_kv_int8") if triton else \
+                    ("store_kv_ref", "store_paged_ref (block 16)", "store_kv_int8_ref")
+            fns = (store_kv, store_paged, store_kv_int8) if triton else (store_kv_ref, store_paged_ref, store_kv_int8_ref)
+            ks[names[0]] = Kernel(lambda: fns[0](kc, vc, kn, vn, start), triton, b16, result=written)
+            ks[names[1]] = Kernel(lambda: fns[1](kb, vb, kp, vp, slots), triton, b16 + slots.nbytes, result=paged_rows,
+                                  expected="new rows")
+            ks[names[2]] = Kernel(lambda: fns[2](kq, ksc, vq, vsc, kn, vn, start), triton, b8, result=int8_rows,
+                                  expected="new K", tol=float(kn.abs().max()) / 127 * 0.6 + 1e-3)  # half a step + fp16 scale rounding
+            ks["new rows"] = Kernel(lambda: kp, False, None)  # the expected contents (not timed)
+            ks["new K"] = Kernel(lambda: kn.float(), False, None)
+            return ks
+
+        elt = torch.empty((), dtype=dtype).element_size()
+        return Point("store", {"B": B, "H_KV": H_KV, "T": T, "D": D, "block_size": bs, "dtype": _dt(dtype)}, build,
+                     curve=("store", timed), headline=T >= 16384, need_bytes=12 * B * H_KV * T * D * elt, timed=timed)
+
+    for T in _sizes(ctx, gpu=[1024, 4096, 16384, 65536], quick=[16384, 65536], cpu=[1024, 4096, 16384]):
+        yield point(1, T, ctx.dtype, True)
+    if not ctx.gpu:
+        yield point(2, 37, ctx.check_dtype, False, D=64, H_KV=2)
+
+
+# --------------------------------------------------------------------------------------------
+# memory: bytes a cache holds per context length, formula vs measured
+# --------------------------------------------------------------------------------------------
+
+
+def memory(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import KVCache
+    from ..memory import kv_cache_bytes
+    from ..paged import PagedKVCache
+    from ..quant import Int8KVCache
+
+    L, H_KV, D, bs = 4, 8, 128, 16
+    for S in _sizes(ctx, gpu=[1024, 4096, 16384, 65536, 131072], quick=[4096, 65536], cpu=[1024, 4096, 16384]):
+        caches = {
+            "KVCache fp16, H_KV=8": (lambda S=S: KVCache(L, 1, H_KV, S, D, torch.float16, ctx.device),
+                                     kv_cache_bytes(L, H_KV, D, S, 1, "fp16")),
+            "KVCache fp16, H_KV=32 (MHA)": (lambda S=S: KVCache(L, 1, 32, S, D, torch.float16, ctx.device),
+                                            kv_cache_bytes(L, 32, D, S, 1, "fp16")),
+            "Int8KVCache, H_KV=8": (lambda S=S: Int8KVCache(L, 1, H_KV, S, D, ctx.device),
+                                    kv_cache_bytes(L, H_KV, D, S, 1, "int8") + 2 * L * H_KV * S * 2),
+            "PagedKVCache block 16, H_KV=8": (
+                lambda S=S: PagedKVCache(L, math.ceil(S / bs), bs, H_KV, D, torch.float16, ctx.device),
+                kv_cache_bytes(L, H_KV, D, math.ceil(S / bs) * bs, 1, "fp16")),
+        }
+        for name, (make, predicted) in caches.items():
+            def build(make=make, name=name):
+                holder = {}
+
+                def measure():
+                    holder["cache"] = make()
+
+                used = peak_memory_bytes(measure)  # GPU: bytes the allocator handed out
+                if used is None:  # CPU: no peak counter; count the cache's tensors (exact for what we allocate)
+                    c = make()
+                    used = tensor_bytes([c.k, c.v, getattr(c, "k_scale", []), getattr(c, "v_scale", [])])
+                holder.clear()
+                return [{"kernel": name, "memory_bytes": used, "status": "ok"}]
+
+            yield Point("memory", {"B": 1, "H_KV": 32 if "MHA" in name else H_KV, "S": S, "D": D, "dtype":
+                                   "int8" if "Int8" in name else "float16",
+                                   "block_size": bs if "Paged" in name else None}, build,
+                        curve=("memory", name), need_bytes=2 * predicted, timed=False,
+                        extra={"predicted_bytes": predicted})
+
+
+SWEEPS = {"copy": copy, "prefill": prefill, "decode": decode, "paged": paged, "int8": int8, "grouped": grouped,
+          "store": store, "memory": memory}
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _free_bytes() -> int | None:
+    if runtime.DEVICE != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free
+
+
+def _max_err(out, ref) -> float | None:
+    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor) or out.shape != ref.shape:
+        return None
+    return float((out.float() - ref.float()).abs().max())
+
+
+def run(names=None, *, quick: bool = False, budget_s: float | None = None, progress: bool = True,
+        log=print) -> list[dict]:
+    """Run the named sweeps (all by default) and return their result rows (see ``results.COLUMNS``).
+
+    budget_s: stop starting new points after this many seconds (rows say how many were skipped).
+    """
+    from tqdm.auto import tqdm
+
+    from .results import stamp
+
+    names = list(SWEEPS) if names is None else list(names)
+    unknown = [n for n in names if n not in SWEEPS]
+    if unknown:
+        raise ValueError(f"unknown sweep(s) {unknown}; choose from {list(SWEEPS)}")
+    torch.manual_seed(0)
+    ctx = Ctx(quick)
+    st = stamp()
+    base = {k: st[k] for k in ("device", "mode", "driver", "cuda", "torch", "triton", "date")}
+    points = [p for n in names for p in SWEEPS[n](ctx)]
+    rows: list[dict] = []
+    ended: set = set()
+    t_start = time.perf_counter()
+    bar = tqdm(points, desc="benchmark points", disable=not progress)
+    for p in bar:
+        bar.set_postfix_str(f"{p.sweep} {p.shape.get('S') or p.shape.get('T') or ''}")
+        shape_row = {**base, "sweep": p.sweep, **p.shape, **p.extra, "headline": int(p.headline)}
+        if p.curve in ended:
+            continue
+        if budget_s is not None and time.perf_counter() - t_start > budget_s:
+            rows.append({**shape_row, "status": "skipped: time budget spent"})
+            continue
+        free = _free_bytes()
+        if free is not None and p.need_bytes > 0.9 * free:
+            rows.append({**shape_row, "status": f"skipped: needs ~{p.need_bytes / 2**30:.1f} GiB, "
+                                                f"{free / 2**30:.1f} GiB free (curve ends)"})
+            ended.add(p.curve)
+            continue
+        try:
+            rows.extend(_run_point(ctx, p, shape_row))
+        except Exception as e:  # noqa: BLE001 - out of memory ends the curve; anything else is a bug
+            if not _is_oom(e):
+                raise
+            rows.append({**shape_row, "status": "out of memory (curve ends)"})
+            ended.add(p.curve)
+        finally:
+            if runtime.DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    bar.close()
+    return rows
+
+
+def _run_point(ctx: Ctx, p: Point, shape_row: dict) -> list[dict]:
+    built = p.build()
+    if isinstance(built, list):  # memory points: rows measured at build time
+        return [{**shape_row, **r} for r in built]
+    names = [n for n, k in built.items() if k.bytes_moved is not None]  # timed entries; names[0] is the baseline
+    baseline = names[0]
+    # entries without bytes are expected values only: compute them first
+    outputs = {n: k.fn() for n, k in built.items() if k.bytes_moved is None}
+    times, rows = {}, []
+    dtype = getattr(torch, str(p.shape.get("dtype", "float32")))
+    for name in names:
+        k = built[name]
+        row = {**shape_row, "kernel": name, "baseline": baseline if name != baseline else None,
+               "bytes_moved": k.bytes_moved}
+        try:
+            out = k.fn()
+            if ctx.gpu:
+                torch.cuda.synchronize()
+            out = k.result() if k.result else out
+            outputs[name] = out.clone() if isinstance(out, torch.Tensor) else out
+            ref_name = (k.expected or (baseline if name != baseline else None)) if k.compare else None
+            err = _max_err(outputs[name], outputs.get(ref_name)) if ref_name else None
+            row["max_abs_err"] = err
+            tol = k.tol if k.tol is not None else TOL.get(dtype, 2e-2)
+            status = "ok" if err is None or err <= tol else f"MISMATCH: max |difference| {err:.3g} > {tol:.3g}"
+            if p.timed and (ctx.gpu or not k.triton):
+                ms = time_ms(k.fn, **ctx.time_kw)
+                times[name] = ms
+                row.update(time_ms=ms, gbps=gbps(k.bytes_moved, ms),
+                           pct_copy_bw=100 * gbps(k.bytes_moved, ms) / ctx.copy_bw)
+                if p.flops:
+                    row["tflops"] = p.flops / (ms * 1e-3) / 1e12
+                if name != baseline and baseline in times:
+                    row["vs_baseline"] = times[baseline] / ms
+            elif status == "ok":
+                status = "correctness only (interpreter)" if k.triton else "correctness only"
+            row["status"] = status
+        except Exception as e:  # noqa: BLE001 - out of memory in one kernel (e.g. SDPA repeating K/V)
+            if not _is_oom(e):
+                raise
+            row["status"] = "out of memory"
+            if runtime.DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
