@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import runtime
 from . import copy_bandwidth_gbps
-from .results import headline_markdown, plot_sweep, reference, stamp, write_csv
+from .results import STAMP_KEYS, headline_markdown, plot_sweep, read_csv, reference, stamp, write_csv
 from .sweeps import SWEEPS, run
 
 
@@ -34,7 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting new points after this many seconds (the rest are listed as skipped)")
     ap.add_argument("--no-plots", action="store_true", help="write the CSV and summary only")
+    ap.add_argument("--from-csv", metavar="RESULTS_CSV",
+                    help="measure nothing: redraw the plots and the summary of an existing results.csv into --out")
     args = ap.parse_args(argv)
+    if args.from_csv:
+        return redraw(Path(args.from_csv), Path(args.out), args.only)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +71,20 @@ def main(argv=None) -> int:
     for r in bad:
         print(f"MISMATCH: {r['sweep']} {r['kernel']} {r}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def redraw(csv_path: Path, out: Path, only=None) -> int:
+    """Plots and summary.md from a results.csv measured elsewhere (e.g. a GPU run's)."""
+    rows = read_csv(csv_path)
+    if not rows:
+        raise SystemExit(f"{csv_path} has no rows")
+    out.mkdir(parents=True, exist_ok=True)
+    st = {k: rows[0].get(k) for k in STAMP_KEYS}
+    (out / "summary.md").write_text(headline_markdown(rows, st))
+    for name in only or sorted({r["sweep"] for r in rows}, key=list(SWEEPS).index):
+        plot_sweep(rows, name, out / f"{name}.png")
+    print(f"redrew {out} from {csv_path}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,164 @@
+"""The benchmark harness: the CLI's quick run, result files, curves, references, the headline table,
+and how the loop handles out-of-memory, a spent time budget and a kernel that disagrees."""
+
+import json
+import os
+import subprocess
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+from kvlib import runtime
+from kvlib.bench import results, sweeps
+
+GPU = runtime.mode() == "gpu"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """``python -m kvlib.bench --quick`` exactly as a learner or CI runs it (a fresh process)."""
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, MPLBACKEND="Agg")
+    proc = subprocess.run([sys.executable, "-m", "kvlib.bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+@pytest.mark.bench_cli
+def test_quick_run_writes_every_sweep_with_stamp_and_plots(quick_run):
+    out, proc = quick_run
+    rows = results.read_csv(out / "results.csv")
+    assert {r["sweep"] for r in rows} == set(sweeps.SWEEPS)
+    for r in rows:
+        assert r["device"] and r["torch"] and r["date"] and r["mode"], r
+        assert not str(r["status"]).startswith("MISMATCH"), r
+    for name in sweeps.SWEEPS:
+        assert (out / f"{name}.png").stat().st_size > 10_000, name
+    st = json.loads((out / "stamp.json").read_text())
+    assert st["copy_bandwidth_gbps"] > 0 and st["quick"] is True
+    if not GPU:
+        assert "No headline points" in (out / "summary.md").read_text()  # they need a GPU
+    assert "rows in" in proc.stdout
+
+
+@pytest.mark.bench_cli
+def test_quick_run_checks_every_triton_kernel_against_its_baseline(quick_run):
+    out, _ = quick_run
+    rows = results.read_csv(out / "results.csv")
+    # CPU: each kernel runs once in the interpreter; GPU: compiled, checked and timed
+    checked = {r["kernel"] for r in rows if r["max_abs_err"] is not None
+               and r["status"] == ("ok" if GPU else "correctness only (interpreter)")}
+    for kernel in ("triton add", "flash_attention", "decode (split-K auto)", "paged block 1",
+                   "paged block 16", "paged block 128", "int8 decode (fused dequant)", "grouped decode",
+                   "store_kv", "store_paged (block 16)", "store_kv_int8") + (() if GPU else ("decode (4 splits)",)):
+        assert kernel in checked, kernel
+
+
+@pytest.mark.bench_cli
+def test_quick_run_times_the_pytorch_paths_and_fills_the_derived_columns(quick_run):
+    out, _ = quick_run
+    rows = results.read_csv(out / "results.csv")
+    timed = [r for r in rows if r["time_ms"] is not None]
+    assert {r["sweep"] for r in timed} >= {"copy", "prefill", "decode", "paged", "int8", "grouped", "store"}
+    for r in timed:
+        assert r["time_ms"] > 0 and r["gbps"] == pytest.approx(r["bytes_moved"] / r["time_ms"] / 1e6, rel=1e-3)
+        if r["baseline"]:
+            assert r["vs_baseline"] > 0
+    mem = [r for r in rows if r["sweep"] == "memory"]
+    # CPU: the tensors' bytes, exactly; GPU: the allocator rounds up (and the cache has a lengths tensor)
+    assert mem and all(0 <= r["memory_bytes"] - r["predicted_bytes"] <= (4096 if GPU else 0) for r in mem)
+
+
+def test_csv_round_trip_and_curves(tmp_path):
+    rows = [{"sweep": "decode", "kernel": "a", "B": 1, "S": s, "time_ms": 1.5 * s, "headline": 0, "status": "ok"}
+            for s in (4, 1, 2)] + [{"sweep": "decode", "kernel": "b", "B": 1, "S": 1, "time_ms": None}]
+    back = results.read_csv(results.write_csv(rows, tmp_path / "r.csv"))
+    assert back[0]["S"] == 4 and back[0]["time_ms"] == 6.0 and back[3]["time_ms"] is None
+    assert results.curves(back, x="S", y="time_ms") == {"a": ([1, 2, 4], [1.5, 3.0, 6.0])}
+    assert results.curves(back, x="S", y="time_ms", series=("kernel", "B")) == {"a B=1": ([1, 2, 4], [1.5, 3.0, 6.0])}
+
+
+def test_reference_reads_committed_gpu_results_only(tmp_path):
+    stamp = {"device": "NVIDIA Test GPU", "mode": "gpu", "driver": "1.2", "torch": "2.x", "triton": "3.x",
+             "date": "2026-01-02T00:00:00Z"}
+    results.write_csv([{**stamp, "sweep": "decode", "kernel": "k", "S": 1, "time_ms": 1.0}],
+                      tmp_path / "test-gpu" / "results.csv")
+    results.write_csv([{**stamp, "mode": "interpreter", "sweep": "prefill", "kernel": "k", "S": 1}],
+                      tmp_path / "cpu" / "results.csv")
+    label, rows = results.reference("decode", root=tmp_path)
+    assert "NVIDIA Test GPU" in label and "2026-01-02" in label and len(rows) == 1
+    assert results.reference("prefill", root=tmp_path) == (None, [])  # CPU rows are never a reference
+    assert results.reference("decode", root=tmp_path / "missing") == (None, [])
+
+
+def test_headline_table_says_met_and_by_how_much_it_is_missed():
+    base = {"sweep": "decode", "kernel": "decode (split-K auto)", "headline": 1, "time_ms": 1.0, "baseline": "SDPA"}
+    rows = [{**base, "pct_copy_bw": 80.0, "vs_baseline": 1.1}, {**base, "pct_copy_bw": 60.0, "vs_baseline": 0.9},
+            {**base, "pct_copy_bw": 70.0, "vs_baseline": 1.0}, {**base, "pct_copy_bw": 99.0, "headline": 0},
+            {"sweep": "int8", "kernel": "int8 decode (fused dequant)", "headline": 1, "time_ms": 1.0,
+             "vs_baseline": 1.7, "pct_copy_bw": 50.0, "baseline": "float16 decode"}]
+    table = {t["kernel"]: t for t in results.headline_table(rows)}
+    dec = table["decode (split-K auto)"]
+    assert dec["points"] == 3 and dec["pct_copy_bw"] == (70.0, 60.0, 80.0) and dec["met"] is False
+    assert dec["shortfall"] == pytest.approx(-5.0)
+    assert table["int8 decode (fused dequant)"]["met"] is True
+    md = results.headline_markdown(rows)
+    assert "**no** (-5.00 points)" in md and "| yes |" in md
+    assert "No headline points" in results.headline_markdown([])
+
+
+def _fake_sweep(points):
+    return lambda ctx: iter(points)
+
+
+def _point(S, build, curve=("c",)):
+    return sweeps.Point("fake", {"S": S, "dtype": "float32"}, build, curve=curve)
+
+
+def test_out_of_memory_ends_that_curve_and_the_sweep_goes_on(monkeypatch):
+    def ok():
+        x = torch.ones(4)
+        return {"base": sweeps.Kernel(lambda: x + 1, False, 32)}
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+
+    pts = [_point(1, ok), _point(2, oom), _point(4, ok), _point(1, ok, curve=("other",))]
+    monkeypatch.setitem(sweeps.SWEEPS, "fake", _fake_sweep(pts))
+    rows = sweeps.run(["fake"], quick=True, progress=False)
+    assert [(r["S"], r["status"]) for r in rows] == [(1, "ok"), (2, "out of memory (curve ends)"), (1, "ok")]
+
+
+def test_a_spent_time_budget_skips_points_and_says_so(monkeypatch):
+    pts = [_point(1, lambda: {"base": sweeps.Kernel(lambda: torch.ones(2), False, 8)})]
+    monkeypatch.setitem(sweeps.SWEEPS, "fake", _fake_sweep(pts))
+    rows = sweeps.run(["fake"], quick=True, budget_s=-1, progress=False)
+    assert rows[0]["status"] == "skipped: time budget spent" and rows[0].get("time_ms") is None
+
+
+def test_a_kernel_that_disagrees_is_a_mismatch_and_fails_the_cli(monkeypatch, tmp_path):
+    x = torch.arange(8.0)
+    pts = [_point(8, lambda: {"base": sweeps.Kernel(lambda: x * 2, False, 64),
+                              "wrong": sweeps.Kernel(lambda: x * 2 + 0.5, False, 64)})]
+    monkeypatch.setitem(sweeps.SWEEPS, "fake", _fake_sweep(pts))
+    rows = sweeps.run(["fake"], quick=True, progress=False)
+    assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("MISMATCH")
+    assert rows[1]["max_abs_err"] == 0.5 and rows[1]["vs_baseline"] > 0
+
+    from kvlib.bench.__main__ import main
+
+    assert main(["--only", "fake", "--out", str(tmp_path), "--quick", "--no-plots"]) == 1
+    assert "MISMATCH" in (tmp_path / "results.csv").read_text()
+    with pytest.raises(SystemExit):  # argparse only accepts the real sweeps
+        main(["--only", "nope", "--out", str(tmp_path)])
+
+
+def test_unknown_sweep_names_are_a_clear_error():
+    with pytest.raises(ValueError, match="unknown sweep"):
+        sweeps.run(["decod"], progress=False)
