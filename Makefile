@@ -30,6 +30,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
 
+# The benchmark sweeps (results.csv, summary.md, PNGs in bench-out/); BENCH_ARGS="--quick" on a CPU.
+bench: $(STAMP)
+	$(BIN)/python -m kvlib.bench --out bench-out $(BENCH_ARGS)
+
 # Regenerate labs/ from solutions/ (refuses to overwrite a lab a learner has edited).
 labs: $(STAMP)
 	$(BIN)/python -m kvlib.labs

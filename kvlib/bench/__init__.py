@@ -30,17 +30,19 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def time_ms(fn, *, warmup: int = 3, rep: int = 10, min_time_s: float = 0.0) -> float:
+def time_ms(fn, *, warmup: int = 3, rep: int = 10, min_time_s: float = 0.0, gpu_warmup_ms: float = 25,
+            gpu_rep_ms: float = 100) -> float:
     """Median wall time of ``fn()`` in milliseconds.
 
-    GPU: ``triton.testing.do_bench`` with its own warm-up and repeat budget (25 ms / 100 ms)
-    and a cold L2 cache for every call; ``warmup``/``rep`` apply to the CPU path only.
+    GPU: ``triton.testing.do_bench`` with a warm-up and repeat budget of ``gpu_warmup_ms`` /
+    ``gpu_rep_ms`` milliseconds and a cold L2 cache for every call (it zeroes a 256 MB buffer
+    between calls); ``warmup``/``rep`` apply to the CPU path only.
     CPU: ``warmup`` untimed calls, then ``rep`` timed calls (more if ``min_time_s`` is not reached).
     """
     if runtime.DEVICE == "cuda" and runtime.HAS_TRITON and not runtime.INTERPRETER:
         from triton.testing import do_bench
 
-        return float(do_bench(fn, return_mode="median"))
+        return float(do_bench(fn, warmup=gpu_warmup_ms, rep=gpu_rep_ms, return_mode="median"))
     for _ in range(warmup):
         fn()
     times = []

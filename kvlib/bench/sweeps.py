@@ -83,7 +83,9 @@ class Ctx:
         self.dtype = torch.float16 if self.gpu else torch.float32  # CPU matmuls are slow in fp16
         self.check_dtype = torch.float16  # interpreter correctness points: the GPU's dtype
         self.copy_bw = copy_bandwidth_gbps()
-        self.time_kw = {} if self.gpu else {"warmup": 1, "rep": 5}
+        # do_bench repeats a call for rep_ms (each after flushing L2): 40 ms keeps a full GPU sweep in
+        # a few minutes and still gives hundreds of repeats of a sub-millisecond kernel
+        self.time_kw = {"gpu_warmup_ms": 10, "gpu_rep_ms": 40} if self.gpu else {"warmup": 1, "rep": 5}
 
 
 # --------------------------------------------------------------------------------------------
