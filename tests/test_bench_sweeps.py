@@ -109,7 +109,7 @@ def test_headline_table_says_met_and_by_how_much_it_is_missed():
     assert dec["shortfall"] == pytest.approx(-5.0)
     assert table["int8 decode (fused dequant)"]["met"] is True
     md = results.headline_markdown(rows)
-    assert "**no** (-5.00 points)" in md and "| yes |" in md
+    assert "**no**: 5.0 points short" in md and "| yes |" in md
     assert "No headline points" in results.headline_markdown([])
 
 
@@ -175,3 +175,38 @@ def test_gpu_check_script_refuses_to_run_without_a_gpu(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "needs one" in (tmp_path / "out" / "status.txt").read_text()
     assert "torch" in (tmp_path / "out" / "environment.txt").read_text()
+
+
+TINY = {
+    "copy": {"mib": [1]},
+    "decode": {"heads": [(4, 2, 32), (2, 2, 32)], "batch": [2], "ctx": [128, 256]},
+    "paged": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [256]},
+    "int8": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [128]},
+    "grouped": {"heads": [(8, 2, 32)], "batch": [2], "ctx": [128]},
+    "store": {"tokens": [40]},
+    "prefill": {"heads": [(4, 2, 32), (2, 2, 32)], "batch": [1], "ctx": [48]},
+    "memory": {"ctx": [128]},
+}
+
+
+@pytest.mark.skipif(GPU, reason="the real GPU run covers these branches")
+def test_the_gpu_branches_of_every_sweep_run_at_tiny_sizes(monkeypatch):
+    """Walk each sweep's GPU-mode code (kernel lists, names, bytes, baselines, checks) on the CPU with
+    tiny shapes, so a GPU session does not find a typo in a branch CI never ran."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    ctx = sweeps.Ctx(quick=True)
+    ctx.gpu, ctx.sizes, ctx.dtype = True, TINY, torch.float32
+    rows = sweeps.run(quick=True, progress=False, ctx=ctx)
+    bad = [r for r in rows if r.get("status") != "ok"]
+    assert not bad, bad
+    kernels = {(r["sweep"], r["kernel"]) for r in rows}
+    for sweep, kernel, *_ in results.TARGETS:  # every kernel named in the headline table is produced
+        assert (sweep, kernel) in kernels, (sweep, kernel)
+    for r in rows:
+        if r["sweep"] != "memory":
+            assert r["time_ms"] > 0 and r["bytes_moved"] > 0, r
+            assert (r.get("baseline") is None) == (r.get("vs_baseline") is None), r
+            compared = r.get("baseline") is not None and r["kernel"] != "torch add"  # add is not a copy
+            assert not compared or r.get("max_abs_err") is not None, r
+    assert {r["kernel"] for r in rows if r["sweep"] == "int8"} == {
+        "float32 decode", "int8 decode (fused dequant)", "dequantize, then fp16 decode"}

@@ -234,8 +234,9 @@ def headline_markdown(rows, st: dict | None = None) -> str:
         return "–" if s is None else f"{fmt(s[0])} ({fmt(s[1])}–{fmt(s[2])})"
 
     for t in table:
-        met = "–" if t["met"] is None else ("yes" if t["met"] else
-                                            f"**no** ({t['shortfall']:+.2f}{'' if t['metric'] == 'vs_baseline' else ' points'})")
+        short = -t["shortfall"] if t["shortfall"] is not None else None
+        met = "–" if t["met"] is None else ("yes" if t["met"] else f"**no**: {short:.2f}× short" if
+                                            t["metric"] == "vs_baseline" else f"**no**: {short:.1f} points short")
         lines.append(f"| {t['sweep']} | {t['kernel']} | {t['points']} | {cell(t['pct_copy_bw'], lambda v: f'{v:.0f}%')} "
                      f"| {cell(t['vs_baseline'], lambda v: f'{v:.2f}×')} vs {t['baseline']} | {t['target']} | {met} |")
     return "\n".join(lines) + "\n"

@@ -31,6 +31,43 @@ from . import copy_bandwidth_gbps, gbps, peak_memory_bytes, tensor_bytes, time_m
 __all__ = ["SWEEPS", "Point", "Kernel", "run"]
 
 HEADS = [(32, 8, 128), (64, 8, 128), (32, 32, 128)]  # (H, H_KV, D): Llama-3-8B, Llama-3-70B, Llama-2-7B
+K = 1024
+
+# What each sweep measures, per run kind: "gpu" (the full run), "gpu_quick" (--quick on a GPU) and "cpu"
+# (the timed PyTorch paths; each Triton kernel also runs once at a small shape in the interpreter).
+# heads: (H, H_KV, D); batch: B; ctx: cached length S; tokens: new tokens T written; mib: buffer sizes.
+WORKLOADS = {
+    "gpu": {
+        "copy": {"mib": [1, 4, 16, 64, 256, 1024]},
+        "decode": {"heads": HEADS, "batch": [1, 8, 32, 128], "ctx": [1 * K, 4 * K, 16 * K, 64 * K, 128 * K]},
+        "paged": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
+        "int8": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
+        "grouped": {"heads": HEADS[:2], "batch": [1, 8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
+        "store": {"tokens": [1 * K, 4 * K, 16 * K, 64 * K]},
+        "prefill": {"heads": HEADS, "batch": [1], "ctx": [1 * K, 2 * K, 4 * K, 8 * K, 16 * K]},
+        "memory": {"ctx": [1 * K, 4 * K, 16 * K, 64 * K, 128 * K]},
+    },
+    "gpu_quick": {
+        "copy": {"mib": [16, 256, 1024]},
+        "decode": {"heads": HEADS[:1], "batch": [8], "ctx": [4 * K, 16 * K, 64 * K]},
+        "paged": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
+        "int8": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
+        "grouped": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
+        "store": {"tokens": [16 * K, 64 * K]},
+        "prefill": {"heads": HEADS[:1], "batch": [1], "ctx": [4 * K, 16 * K]},
+        "memory": {"ctx": [4 * K, 64 * K]},
+    },
+    "cpu": {
+        "copy": {"mib": [1, 4, 16, 64]},
+        "decode": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "paged": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "int8": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "grouped": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "store": {"tokens": [1 * K, 4 * K, 16 * K]},
+        "prefill": {"heads": [(8, 2, 64)], "batch": [1], "ctx": [256, 512, 1 * K]},  # CPU attention is O(S^2)
+        "memory": {"ctx": [1 * K, 4 * K, 16 * K]},
+    },
+}
 HEADLINE_KV_BYTES = 256 * 10**6  # GPU headline points read at least this much K/V
 TOL = {torch.float16: 2e-2, torch.float32: 1e-4}
 
@@ -67,10 +104,13 @@ def _randn(*shape, dtype, device, gen=None):
     return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
 
 
-def _sizes(ctx, *, gpu, quick, cpu):
-    if ctx.gpu:
-        return quick if ctx.quick else gpu
-    return cpu
+def _shapes(ctx, sweep):
+    """(H, H_KV, D, B, S) of a sweep's timed points, in curve order (S innermost)."""
+    w = ctx.sizes[sweep]
+    for H, H_KV, D in w["heads"]:
+        for B in w["batch"]:
+            for S in w["ctx"]:
+                yield H, H_KV, D, B, S
 
 
 class Ctx:
@@ -79,6 +119,7 @@ class Ctx:
     def __init__(self, quick: bool):
         self.gpu = runtime.mode() == "gpu"
         self.quick = quick
+        self.sizes = WORKLOADS[("gpu_quick" if quick else "gpu") if self.gpu else "cpu"]
         self.device = runtime.DEVICE
         self.dtype = torch.float16 if self.gpu else torch.float32  # CPU matmuls are slow in fp16
         self.check_dtype = torch.float16  # interpreter correctness points: the GPU's dtype
@@ -96,8 +137,7 @@ class Ctx:
 def copy(ctx: Ctx) -> Iterator[Point]:
     from ..vector_add import add
 
-    mib = _sizes(ctx, gpu=[1, 4, 16, 64, 256, 1024], quick=[16, 256, 1024], cpu=[1, 4, 16, 64])
-    for m in mib:
+    for m in ctx.sizes["copy"]["mib"]:
         n = m * 2**20 // 4
 
         def build(n=n):
@@ -127,15 +167,9 @@ def copy(ctx: Ctx) -> Iterator[Point]:
 def prefill(ctx: Ctx) -> Iterator[Point]:
     from ..attention import attention_ref, flash_attention
 
-    if ctx.gpu:
-        heads = HEADS[:1] if ctx.quick else HEADS
-        seqs = [4096, 16384] if ctx.quick else [1024, 2048, 4096, 8192, 16384]
-    else:
-        heads, seqs = [(8, 2, 64)], [256, 512, 1024]
-    for H, H_KV, D in heads:
-        for S in seqs:
-            yield _prefill_point(ctx, 1, H, H_KV, S, D, ctx.dtype, timed=True, flash=flash_attention,
-                                 ref=None if ctx.gpu else attention_ref)
+    for H, H_KV, D, B, S in _shapes(ctx, "prefill"):
+        yield _prefill_point(ctx, B, H, H_KV, S, D, ctx.dtype, timed=True, flash=flash_attention,
+                             ref=None if ctx.gpu else attention_ref)
     if not ctx.gpu:
         yield _prefill_point(ctx, 1, 4, 2, 100, 64, ctx.check_dtype, timed=False, flash=flash_attention, ref=None)
 
@@ -165,19 +199,6 @@ def _prefill_point(ctx, B, H, H_KV, S, D, dtype, *, timed, flash, ref):
 # --------------------------------------------------------------------------------------------
 # decode: split-K decode kernel vs SDPA on the same contiguous cache
 # --------------------------------------------------------------------------------------------
-
-
-def _decode_shapes(ctx, full_heads=HEADS, full_batch=(1, 8, 32, 128), full_ctx=(1024, 4096, 16384, 65536, 131072),
-                   quick=((32, 8, 128), (8,), (4096, 16384, 65536))):
-    """(H, H_KV, D, B, S) in curve order (S innermost) for a timed decode-like sweep."""
-    if ctx.gpu:
-        heads, batch, ctxs = ((quick[0],), quick[1], quick[2]) if ctx.quick else (full_heads, full_batch, full_ctx)
-    else:
-        heads, batch, ctxs = ((32, 8, 128),), (1,), (512, 2048, 8192)
-    for H, H_KV, D in heads:
-        for B in batch:
-            for S in ctxs:
-                yield H, H_KV, D, B, S
 
 
 def _kv(ctx, B, H, H_KV, S, D, dtype):
@@ -214,9 +235,9 @@ def decode(ctx: Ctx) -> Iterator[Point]:
         kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
         return Point("decode", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
                      curve=("decode", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
-                     need_bytes=kvb * (1 + H // H_KV), timed=timed)  # SDPA may repeat K/V for GQA
+                     need_bytes=int(kvb * 1.1), timed=timed)  # SDPA may need more (GQA): that row alone runs out
 
-    for H, H_KV, D, B, S in _decode_shapes(ctx):
+    for H, H_KV, D, B, S in _shapes(ctx, "decode"):
         yield point(H, H_KV, D, B, S, ctx.dtype, True)
     if not ctx.gpu:
         yield point(8, 2, 64, 2, 300, ctx.check_dtype, False)
@@ -274,8 +295,7 @@ def paged(ctx: Ctx) -> Iterator[Point]:
                      curve=("paged", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
                      need_bytes=kvb * (1 + len(block_sizes)), timed=timed)
 
-    for H, H_KV, D, B, S in _decode_shapes(ctx, full_heads=HEADS[:1], full_batch=(8, 32),
-                                           full_ctx=(4096, 16384, 65536), quick=((32, 8, 128), (8,), (16384, 65536))):
+    for H, H_KV, D, B, S in _shapes(ctx, "paged"):
         yield point(H, H_KV, D, B, S, ctx.dtype, True)
     if not ctx.gpu:  # ragged lengths: partly filled last blocks
         yield point(4, 2, 64, 2, 256, ctx.check_dtype, False, lens_list=[256, 201])
@@ -327,10 +347,9 @@ def int8(ctx: Ctx) -> Iterator[Point]:
         kvb = _kv_bytes(B, H_KV, S, D, 2)
         return Point("int8", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
                      curve=("int8", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
-                     need_bytes=kvb * 3, timed=timed)
+                     need_bytes=kvb * 2, timed=timed)
 
-    for H, H_KV, D, B, S in _decode_shapes(ctx, full_heads=HEADS[:1], full_batch=(8, 32),
-                                           full_ctx=(4096, 16384, 65536), quick=((32, 8, 128), (8,), (16384, 65536))):
+    for H, H_KV, D, B, S in _shapes(ctx, "int8"):
         yield point(H, H_KV, D, B, S, ctx.dtype, True)
     if not ctx.gpu:
         yield point(8, 2, 64, 2, 300, ctx.check_dtype, False)
@@ -366,10 +385,9 @@ def grouped(ctx: Ctx) -> Iterator[Point]:
         kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
         return Point("grouped", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
                      curve=("grouped", H, H_KV, D, B, timed), headline=kvb >= HEADLINE_KV_BYTES,
-                     need_bytes=kvb * (1 + n_rep), timed=timed)
+                     need_bytes=int(kvb * 1.1), timed=timed)  # repeat K/V needs n_rep x more: that row alone runs out
 
-    for H, H_KV, D, B, S in _decode_shapes(ctx, full_heads=HEADS[:2], full_batch=(1, 8, 32),
-                                           full_ctx=(4096, 16384, 65536), quick=((32, 8, 128), (8,), (16384, 65536))):
+    for H, H_KV, D, B, S in _shapes(ctx, "grouped"):
         yield point(H, H_KV, D, B, S, ctx.dtype, True)
     if not ctx.gpu:
         yield point(8, 2, 64, 2, 300, ctx.check_dtype, False)
@@ -429,7 +447,7 @@ def store(ctx: Ctx) -> Iterator[Point]:
         return Point("store", {"B": B, "H_KV": H_KV, "T": T, "D": D, "block_size": bs, "dtype": _dt(dtype)}, build,
                      curve=("store", timed), headline=T >= 16384, need_bytes=12 * B * H_KV * T * D * elt, timed=timed)
 
-    for T in _sizes(ctx, gpu=[1024, 4096, 16384, 65536], quick=[16384, 65536], cpu=[1024, 4096, 16384]):
+    for T in ctx.sizes["store"]["tokens"]:
         yield point(1, T, ctx.dtype, True)
     if not ctx.gpu:
         yield point(2, 37, ctx.check_dtype, False, D=64, H_KV=2)
@@ -447,7 +465,7 @@ def memory(ctx: Ctx) -> Iterator[Point]:
     from ..quant import Int8KVCache
 
     L, H_KV, D, bs = 4, 8, 128, 16
-    for S in _sizes(ctx, gpu=[1024, 4096, 16384, 65536, 131072], quick=[4096, 65536], cpu=[1024, 4096, 16384]):
+    for S in ctx.sizes["memory"]["ctx"]:
         caches = {
             "KVCache fp16, H_KV=8": (lambda S=S: KVCache(L, 1, H_KV, S, D, torch.float16, ctx.device),
                                      kv_cache_bytes(L, H_KV, D, S, 1, "fp16")),
@@ -509,10 +527,11 @@ def _max_err(out, ref) -> float | None:
 
 
 def run(names=None, *, quick: bool = False, budget_s: float | None = None, progress: bool = True,
-        log=print) -> list[dict]:
+        ctx: Ctx | None = None) -> list[dict]:
     """Run the named sweeps (all by default) and return their result rows (see ``results.COLUMNS``).
 
-    budget_s: stop starting new points after this many seconds (rows say how many were skipped).
+    budget_s: stop starting new points after this many seconds (the rest get a "skipped" row).
+    ctx: a prepared ``Ctx`` (tests use one to walk the GPU branches with tiny sizes on a CPU).
     """
     from tqdm.auto import tqdm
 
@@ -523,7 +542,7 @@ def run(names=None, *, quick: bool = False, budget_s: float | None = None, progr
     if unknown:
         raise ValueError(f"unknown sweep(s) {unknown}; choose from {list(SWEEPS)}")
     torch.manual_seed(0)
-    ctx = Ctx(quick)
+    ctx = ctx or Ctx(quick)
     st = stamp()
     base = {k: st[k] for k in ("device", "mode", "driver", "cuda", "torch", "triton", "date")}
     points = [p for n in names for p in SWEEPS[n](ctx)]
