@@ -98,13 +98,15 @@ def test_reference_reads_committed_gpu_results_only(tmp_path):
 
 
 def test_headline_table_says_met_and_by_how_much_it_is_missed():
-    base = {"sweep": "decode", "kernel": "decode (split-K auto)", "headline": 1, "time_ms": 1.0, "baseline": "SDPA"}
+    base = {"sweep": "decode", "kernel": "decode (split-K auto)", "headline": 1, "time_ms": 1.0, "baseline": "SDPA",
+            "H": 32, "H_KV": 8}
     rows = [{**base, "pct_copy_bw": 80.0, "vs_baseline": 1.1}, {**base, "pct_copy_bw": 60.0, "vs_baseline": 0.9},
             {**base, "pct_copy_bw": 70.0, "vs_baseline": 1.0}, {**base, "pct_copy_bw": 99.0, "headline": 0},
             {"sweep": "int8", "kernel": "int8 decode (fused dequant)", "headline": 1, "time_ms": 1.0,
              "vs_baseline": 1.7, "pct_copy_bw": 50.0, "baseline": "float16 decode"}]
     table = {t["kernel"]: t for t in results.headline_table(rows)}
-    dec = table["decode (split-K auto)"]
+    assert "decode (split-K auto), 32/32 heads" not in table  # no rows for that workload
+    dec = table["decode (split-K auto), 32/8 heads"]
     assert dec["points"] == 3 and dec["pct_copy_bw"] == (70.0, 60.0, 80.0) and dec["met"] is False
     assert dec["shortfall"] == pytest.approx(-5.0)
     assert table["int8 decode (fused dequant)"]["met"] is True
