@@ -146,7 +146,7 @@ def flash_attention(q, k, v, causal=True):
     check_attention_inputs(q, k, v, max_head_dim=256)
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"q, k, v must be fp32, fp16 or bf16, got {q.dtype}")
-    if not runtime.require_triton("attention.flash_attention"):
+    if not runtime.require_triton("attention.flash_attention", q=q, k=k, v=v):
         return attention_ref(q, k, v, causal)
     B, H, T, D = q.shape
     S = k.shape[2]

@@ -206,7 +206,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     longest = _check_cache_args(q, k_cache, v_cache, seq_lens)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
-    if not runtime.require_triton("cache.decode_attention"):
+    if not runtime.require_triton("cache.decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
+                                  seq_lens=seq_lens):
         return decode_attention_ref(q, k_cache, v_cache, seq_lens)
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -259,11 +260,11 @@ def merge_splits(q, part, lse):
     return out
 
 
-def pick_kernels(kernels):
-    """A cache's kernels: "triton" or "torch"; None means Triton on a GPU, the PyTorch references
-    elsewhere (the interpreter would only be slow)."""
+def pick_kernels(kernels, device="cuda"):
+    """A cache's kernels: "triton" or "torch"; None means Triton for a cache on the GPU in GPU mode,
+    the PyTorch references elsewhere (the interpreter would only be slow)."""
     if kernels is None:
-        kernels = "triton" if runtime.mode() == "gpu" else "torch"
+        kernels = "triton" if runtime.mode() == "gpu" and torch.device(device).type == "cuda" else "torch"
     if kernels not in ("triton", "torch"):
         raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
     return kernels
@@ -327,7 +328,8 @@ def store_kv(k_cache, v_cache, k_new, v_new, start):
         raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must share strides and be contiguous along D")
-    if not runtime.require_triton("cache.store_kv"):
+    if not runtime.require_triton("cache.store_kv", k_cache=k_cache, v_cache=v_cache, k_new=k_new,
+                                  v_new=v_new, start=start):
         return store_kv_ref(k_cache, v_cache, k_new, v_new, start)
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
     TILE_D = max(16, triton.next_power_of_2(D))
@@ -356,7 +358,7 @@ class KVCache:
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu",
                  kernels=None):
-        self.kernels = pick_kernels(kernels)  # "triton": store_kv/decode_attention/flash_attention; "torch": their _refs
+        self.kernels = pick_kernels(kernels, device)  # "triton": store_kv/decode_attention/flash_attention; "torch": their _refs
         shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]

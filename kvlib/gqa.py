@@ -112,7 +112,8 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     longest = _check_cache_args(q, k_cache, v_cache, seq_lens)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
-    if not runtime.require_triton("gqa.grouped_decode_attention"):
+    if not runtime.require_triton("gqa.grouped_decode_attention", q=q, k_cache=k_cache,
+                                  v_cache=v_cache, seq_lens=seq_lens):
         return grouped_decode_attention_ref(q, k_cache, v_cache, seq_lens)
     B, H, D = q.shape
     H_KV, S_max = k_cache.shape[1], k_cache.shape[2]

@@ -152,7 +152,8 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, num_sp
     longest = _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens)
     if k_blocks.stride(3) != 1 or v_blocks.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_blocks and v_blocks must be contiguous along the head dim D (stride 1)")
-    if not runtime.require_triton("paged.paged_decode_attention"):
+    if not runtime.require_triton("paged.paged_decode_attention", q=q, k_blocks=k_blocks,
+                                  v_blocks=v_blocks, block_tables=block_tables, seq_lens=seq_lens):
         return paged_decode_attention_ref(q, k_blocks, v_blocks, block_tables, seq_lens)
     block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
     kv_strides = (k_blocks.stride(0), k_blocks.stride(2), k_blocks.stride(1),  # per block, per head, per slot
@@ -203,7 +204,8 @@ def store_paged(k_blocks, v_blocks, k_new, v_new, slots):
         raise ValueError(f"slots must lie in 0..{num_blocks * bs - 1}")
     if not (k_blocks.is_contiguous() and v_blocks.is_contiguous()):
         raise ValueError("k_blocks and v_blocks must be contiguous")
-    if not runtime.require_triton("paged.store_paged"):
+    if not runtime.require_triton("paged.store_paged", k_blocks=k_blocks, v_blocks=v_blocks, k_new=k_new,
+                                  v_new=v_new, slots=slots):
         return store_paged_ref(k_blocks, v_blocks, k_new, v_new, slots)
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
     HD = H_KV * D
@@ -225,7 +227,7 @@ class PagedKVCache:
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu", kernels=None, prefix_caching=True):
-        self.kernels, self.block_size, self.device = pick_kernels(kernels), block_size, device
+        self.kernels, self.block_size, self.device = pick_kernels(kernels, device), block_size, device
         shape = (num_blocks, block_size, n_kv_heads, head_dim)  # (num_blocks, block_size, H_KV, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]

@@ -104,7 +104,8 @@ def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=No
             or k_scale.stride() != v_scale.stride():
         raise ValueError("q and the int8 caches must be contiguous along D, the scales along positions "
                          "(and k_scale, v_scale laid out alike)")
-    if not runtime.require_triton("quant.int8_decode_attention"):
+    if not runtime.require_triton("quant.int8_decode_attention", q=q, k_q=k_q, k_scale=k_scale, v_q=v_q,
+                                  v_scale=v_scale, seq_lens=seq_lens):
         return int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens)
     kv_strides = (k_q.stride(0), k_q.stride(1), k_q.stride(2), v_q.stride(0), v_q.stride(1), v_q.stride(2))
     return launch_decode(q, k_q, v_q, seq_lens, kv_strides, q.shape[1] // k_q.shape[1], k_q.shape[2], num_splits,
@@ -163,7 +164,8 @@ def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
     lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
     if lo < 0 or hi + T > k_q.shape[2]:
         raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_q.shape[2]}")
-    if not runtime.require_triton("quant.store_kv_int8"):
+    if not runtime.require_triton("quant.store_kv_int8", k_q=k_q, k_scale=k_scale, v_q=v_q, v_scale=v_scale,
+                                  k_new=k_new, v_new=v_new, start=start):
         return store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start)
     TILE_D = max(16, triton.next_power_of_2(D))
     for new, cq, cs in ((k_new, k_q, k_scale), (v_new, v_q, v_scale)):

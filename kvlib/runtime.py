@@ -78,9 +78,18 @@ def mode() -> str:
     return "interpreter" if INTERPRETER else "gpu"
 
 
-def require_triton(what: str) -> bool:
-    """True when Triton kernels can run here; otherwise print once why ``what`` uses PyTorch."""
+def require_triton(what: str, **tensors) -> bool:
+    """True when Triton kernels can run here; otherwise print once why ``what`` uses PyTorch.
+
+    ``tensors`` (name=tensor): in GPU mode the compiled kernels need CUDA tensors, so a CPU tensor is
+    a ValueError naming it (rather than a crash inside Triton).
+    """
     if HAS_TRITON:
+        if mode() == "gpu":
+            for name, t in tensors.items():
+                if isinstance(t, torch.Tensor) and t.device.type != "cuda":
+                    raise ValueError(f"{what}: {name} is on {t.device}, but in GPU mode the Triton kernel needs "
+                                     f"CUDA tensors: move the inputs with .to('cuda') (or call the _ref version)")
         return True
     if what not in _warned:
         _warned.add(what)

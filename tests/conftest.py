@@ -1,6 +1,9 @@
+import copy
+
 import pytest
 import torch
 
+from kvlib import runtime
 from kvlib.model import ModelConfig, Transformer
 
 
@@ -10,3 +13,16 @@ def model():
     torch.manual_seed(0)
     return Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                    hidden_dim=128)).eval()
+
+
+@pytest.fixture(scope="session")
+def device_model(model):
+    """The same model on this machine's device: Triton kernels run compiled on a GPU only for CUDA
+    tensors (on a CPU this is the CPU model again, and the kernels run in the interpreter)."""
+    return copy.deepcopy(model).to(runtime.DEVICE)
+
+
+@pytest.fixture
+def model_for(model, device_model):
+    """model_for(kernels): the device model for "triton" (kernels compiled on a GPU), else the CPU one."""
+    return lambda kernels: device_model if kernels == "triton" else model

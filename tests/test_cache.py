@@ -119,3 +119,23 @@ def test_decode_rejects_a_cache_not_contiguous_along_d():
     q = torch.zeros(1, 1, 16)
     with pytest.raises(ValueError, match="contiguous along the head dim"):
         decode_attention(q, k, k, torch.tensor([4], dtype=torch.int32))
+
+
+def test_gpu_mode_names_a_cpu_input_instead_of_crashing_in_triton(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(runtime, "mode", lambda: "gpu")  # as on a GPU machine, with CPU tensors
+    q, k, lens = torch.zeros(1, 2, 16), torch.zeros(1, 1, 8, 16), torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cache.decode_attention: q is on cpu, but in GPU mode"):
+        decode_attention(q, k, k.clone(), lens)
+
+
+def test_caches_pick_triton_only_for_cuda_tensors_in_gpu_mode(monkeypatch):
+    from kvlib.cache import pick_kernels
+
+    assert pick_kernels(None, "cpu") == "torch"
+    assert pick_kernels(None, "cuda") == ("triton" if runtime.mode() == "gpu" else "torch")
+    monkeypatch.setattr(runtime, "mode", lambda: "gpu")
+    assert pick_kernels(None, "cuda") == "triton" and pick_kernels(None, torch.device("cpu")) == "torch"
+    assert pick_kernels("triton", "cpu") == "triton"  # an explicit choice is kept
+    with pytest.raises(ValueError, match="'triton' or 'torch'"):
+        pick_kernels("cuda", "cuda")

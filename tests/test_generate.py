@@ -96,14 +96,16 @@ from kvlib.generate import generate  # noqa: E402
 
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
 @pytest.mark.parametrize("prompts", [[[1, 2, 3, 4]], [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]], ids=["one", "ragged3"])
-def test_cached_greedy_is_token_identical_to_naive(model, prompts, kernels):
+def test_cached_greedy_is_token_identical_to_naive(model_for, prompts, kernels):
+    model = model_for(kernels)
     naive = generate_naive(model, prompts, 24)
     cached = generate(model, prompts, 24, cache="contiguous", kernels=kernels)
     assert torch.equal(naive, cached)
 
 
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
-def test_cached_seeded_sampling_is_token_identical_to_naive(model, kernels):
+def test_cached_seeded_sampling_is_token_identical_to_naive(model_for, kernels):
+    model = model_for(kernels)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     kw = dict(temperature=0.9, top_k=30, seed=7)
     assert torch.equal(generate_naive(model, prompts, 24, **kw), generate(model, prompts, 24, kernels=kernels, **kw))

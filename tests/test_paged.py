@@ -186,7 +186,8 @@ def test_paged_decode_bad_input(bad, match):
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_paged_generation_is_token_identical_to_naive(model, kernels):
+def test_paged_generation_is_token_identical_to_naive(model_for, kernels):
+    model = model_for(kernels)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [11]]
     for kw in (dict(), dict(temperature=0.9, top_k=20, seed=5)):
         assert torch.equal(generate_naive(model, prompts, 20, **kw),

@@ -75,8 +75,8 @@ def test_int8_decode_kernel_matches_reference(H, H_KV, dtype, num_splits):
 
 def test_int8_decode_bad_scales():
     _, _, kq, ks, vq, vs = quantized_cache(1, 1, 16, 16, seed=0)
-    q = torch.zeros(1, 1, 16)
-    lens = torch.tensor([4], dtype=torch.int32)
+    q = torch.zeros(1, 1, 16, device=runtime.DEVICE)
+    lens = torch.tensor([4], dtype=torch.int32, device=runtime.DEVICE)
     with pytest.raises(ValueError, match=r"k_scale must be fp16/fp32 of shape \(B, H_KV, S_max\)"):
         int8_decode_attention(q, kq, ks[..., :8], vq, vs, lens)
     with pytest.raises(ValueError, match="int8"):
@@ -87,9 +87,10 @@ def test_quantize_on_store_kernel_matches_reference():
     B, H_KV, S, D, T = 2, 2, 40, 24, 5
     caches = [torch.zeros(B, H_KV, S, D, dtype=torch.int8), torch.ones(B, H_KV, S, dtype=torch.float16),
               torch.zeros(B, H_KV, S, D, dtype=torch.int8), torch.ones(B, H_KV, S, dtype=torch.float16)]
+    caches = [c.to(runtime.DEVICE) for c in caches]
     ref = [c.clone() for c in caches]
     k_new, v_new = rand(B, H_KV, T, D, seed=3), rand(B, H_KV, T, D, seed=4)
-    start = torch.tensor([0, S - T])
+    start = torch.tensor([0, S - T], device=runtime.DEVICE)
     store_kv_int8(*caches, k_new, v_new, start)
     store_kv_int8_ref(*ref, k_new, v_new, start)
     for a, b in zip(caches, ref):
@@ -99,7 +100,8 @@ def test_quantize_on_store_kernel_matches_reference():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_int8_generation_mostly_agrees_with_naive(model, kernels):
+def test_int8_generation_mostly_agrees_with_naive(model_for, kernels):
+    model = model_for(kernels)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [11]]
     naive = generate_naive(model, prompts, 24)
     int8 = generate(model, prompts, 24, cache="int8", kernels=kernels)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from kvlib import runtime
 from kvlib.vector_add import add, add_ref
 
 
@@ -8,14 +9,14 @@ from kvlib.vector_add import add, add_ref
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_add_matches_torch_on_awkward_sizes(n, dtype):
     g = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=g).to(dtype)
-    y = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(n, generator=g).to(dtype).to(runtime.DEVICE)
+    y = torch.randn(n, generator=g).to(dtype).to(runtime.DEVICE)
     torch.testing.assert_close(add(x, y, tile=256), x + y, rtol=0, atol=0)
     torch.testing.assert_close(add_ref(x, y), x + y, rtol=0, atol=0)
 
 
 def test_add_keeps_shape_of_2d_input():
-    x = torch.arange(35.0).view(5, 7)
+    x = torch.arange(35.0, device=runtime.DEVICE).view(5, 7)
     assert add(x, x).shape == (5, 7)
     torch.testing.assert_close(add(x, x), 2 * x)
 
