@@ -98,3 +98,14 @@ def test_detection_survives_a_broken_cuda_driver():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "cpu"
+
+
+def test_fp32_dots_default_to_full_precision_unless_the_user_chose():
+    """GPUs run fp32 tl.dot as TF32 unless told otherwise; the course's fp32 checks need IEEE."""
+    code = "import os, kvlib; print(os.environ['TRITON_F32_DEFAULT'])"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_F32_DEFAULT"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "ieee", out.stderr
+    env["TRITON_F32_DEFAULT"] = "tf32"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "tf32", out.stderr
