@@ -212,3 +212,19 @@ def test_the_gpu_branches_of_every_sweep_run_at_tiny_sizes(monkeypatch):
             assert not compared or r.get("max_abs_err") is not None, r
     assert {r["kernel"] for r in rows if r["sweep"] == "int8"} == {
         "float32 decode", "int8 decode (fused dequant)", "dequantize, then fp16 decode"}
+
+
+def test_update_readme_replaces_only_the_headline_section(tmp_path):
+    from kvlib.bench.__main__ import END, START, main
+
+    rows = [{"sweep": "int8", "kernel": "int8 decode (fused dequant)", "headline": 1, "time_ms": 1.0, "B": 8,
+             "S": 4096, "vs_baseline": 1.7, "pct_copy_bw": 50.0, "baseline": "float16 decode", "mode": "gpu",
+             "device": "NVIDIA Test GPU", "status": "ok"}]
+    csv = results.write_csv(rows, tmp_path / "docs" / "results.csv")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{START}\nold table\n{END}\noutro\n")
+    assert main(["--from-csv", str(csv), "--out", str(tmp_path / "docs"), "--update-readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{END}\noutro\n") and "old table" not in text
+    assert "int8 decode (fused dequant)" in text and "NVIDIA Test GPU" in text and "(docs/results.csv)" in text
+    assert (tmp_path / "docs" / "int8.png").exists()

@@ -36,9 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plots", action="store_true", help="write the CSV and summary only")
     ap.add_argument("--from-csv", metavar="RESULTS_CSV",
                     help="measure nothing: redraw the plots and the summary of an existing results.csv into --out")
+    ap.add_argument("--update-readme", metavar="README",
+                    help="with --from-csv: put the headline table between the README's headline markers")
     args = ap.parse_args(argv)
     if args.from_csv:
-        return redraw(Path(args.from_csv), Path(args.out), args.only)
+        rc = redraw(Path(args.from_csv), Path(args.out), args.only)
+        if args.update_readme:
+            update_readme(Path(args.update_readme), Path(args.out) / "summary.md", Path(args.from_csv))
+        return rc
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,6 +90,25 @@ def redraw(csv_path: Path, out: Path, only=None) -> int:
         plot_sweep(rows, name, out / f"{name}.png")
     print(f"redrew {out} from {csv_path}")
     return 0
+
+
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+
+def update_readme(readme: Path, summary: Path, csv_path: Path):
+    """Replace what lies between the README's headline markers with ``summary`` and a link to the CSV."""
+    text = readme.read_text()
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise SystemExit(f"{readme} needs exactly one {START} ... {END} section")
+    try:
+        link = csv_path.resolve().relative_to(readme.resolve().parent)
+    except ValueError:
+        link = csv_path
+    body = summary.read_text().strip() + f"\n\nAll rows: [{link}]({link}).\n"
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    readme.write_text(f"{head}{START}\n{body}{END}{tail}")
+    print(f"updated the headline table in {readme}")
 
 
 if __name__ == "__main__":
