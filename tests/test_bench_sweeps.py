@@ -228,3 +228,50 @@ def test_update_readme_replaces_only_the_headline_section(tmp_path):
     assert text.startswith("intro\n") and text.endswith(f"{END}\noutro\n") and "old table" not in text
     assert "int8 decode (fused dequant)" in text and "NVIDIA Test GPU" in text and "(docs/results.csv)" in text
     assert (tmp_path / "docs" / "int8.png").exists()
+
+
+def _gpu_rows(sweep="decode"):
+    stamp = {"device": "NVIDIA Test GPU", "mode": "gpu", "driver": "1", "torch": "t", "triton": "x",
+             "date": "2026-01-02T00:00:00Z", "sweep": sweep, "H": 32, "H_KV": 8, "D": 128, "dtype": "float16"}
+    return [{**stamp, "kernel": k, "B": B, "S": S, "time_ms": 1.0, "pct_copy_bw": p, "headline": 1,
+             "status": "ok", "baseline": None if k == "SDPA" else "SDPA", "vs_baseline": None if k == "SDPA" else 1.2}
+            for B in (8, 32) for S in (4096, 65536) for k, p in (("SDPA", 60.0), ("decode (split-K auto)", 80.0))]
+
+
+def test_plot_sweep_draws_the_reference_batches_too():
+    own = [{"sweep": "decode", "kernel": "SDPA", "B": 1, "S": 512, "pct_copy_bw": 50.0, "device": "CPU"}]
+    fig = results.plot_sweep(own, "decode", reference_rows=_gpu_rows(), reference_label="NVIDIA Test GPU")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert len(titles) == 3 and any("B=32" in t for t in titles)  # B=1 (own), 8 and 32 (reference)
+    dashed = [ln for ax in fig.axes for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert len(dashed) == 4 and "NVIDIA Test GPU" in dashed[0].get_label()
+
+
+def test_show_refuses_a_mismatch_and_reports_points_not_measured(capsys, tmp_path, monkeypatch):
+    rows = _gpu_rows()[:2] + [{"sweep": "decode", "B": 128, "S": 131072, "status": "out of memory (curve ends)"}]
+    monkeypatch.setattr(results, "reference", lambda sweep, root=None: (None, []))
+    label, ref = results.show(rows, "decode")
+    assert (label, ref) == (None, [])
+    assert "1 point(s): out of memory (curve ends)" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="disagree"):
+        results.show(rows + [{**rows[0], "status": "MISMATCH: max |difference| 1 > 0.02"}], "decode")
+    assert results.headline_table(rows)  # rows without a kernel (skipped points) are ignored, not a KeyError
+
+
+def test_targets_prints_the_reference_headline_on_a_cpu(capsys):
+    if GPU:
+        pytest.skip("on a GPU the run's own table is printed")
+    results.targets("decode", [], "NVIDIA Test GPU, ...", _gpu_rows())
+    out = capsys.readouterr().out
+    assert "target: decode (split-K auto), 32/8 heads" in out and "| 80% (80%–80%) |" in out
+    results.targets("decode", [], None, [])
+    assert "No GPU reference results are committed yet" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(GPU, reason="CPU shapes")
+def test_paged_rows_carry_their_block_size():
+    rows = sweeps.run(["paged"], progress=False)
+    for r in rows:
+        if "block" in r["kernel"]:
+            assert r["block_size"] == int(r["kernel"].split("block ")[1]), r
+        assert set(r) == set(results.COLUMNS)

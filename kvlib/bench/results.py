@@ -26,7 +26,8 @@ import torch
 from .. import runtime
 
 __all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "results_dirs", "TARGETS",
-           "headline_table", "headline_markdown", "plot_sweep", "PLOTS"]
+           "headline_table", "headline_markdown", "plot_sweep", "PLOTS", "show", "targets",
+           "NO_REFERENCE"]
 
 COLUMNS = [
     "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory
@@ -142,7 +143,7 @@ def curves(rows, *, x: str, y: str, series=("kernel",), where: dict | None = Non
     for r in rows:
         if not _matches(r, where or {}) or r.get(y) is None or r.get(x) is None:
             continue
-        label = " ".join(str(r[c]) if c == "kernel" else f"{c}={r[c]}" for c in series)
+        label = " ".join(str(r.get(c)) if c == "kernel" else f"{c}={r.get(c)}" for c in series)
         out.setdefault(label, []).append((r[x], r[y]))
     return {k: tuple(map(list, zip(*sorted(v)))) for k, v in out.items()}
 
@@ -198,7 +199,7 @@ def headline_table(rows) -> list[dict]:
     the baseline, and whether the median meets the target. Kernels without headline points are left out."""
     table = []
     for sweep, kernel, metric, target, where, says in TARGETS:
-        pts = [r for r in rows if r["sweep"] == sweep and r["kernel"] == kernel and r.get("headline")
+        pts = [r for r in rows if r.get("sweep") == sweep and r.get("kernel") == kernel and r.get("headline")
                and r.get("time_ms") is not None and _matches(r, where)]
         if not pts:
             continue
@@ -228,8 +229,9 @@ def headline_markdown(rows, st: dict | None = None) -> str:
         lines.append(f"Measured on **{st.get('device')}** ({gpu}torch {st.get('torch')}, triton {st.get('triton')}, "
                      f"{st.get('mode')} mode), {st.get('date')}.\n")
     if not table:
-        lines.append("No headline points: they need a GPU (KV read ≥ 256 MB, S ≥ 4K, ≥ 16K tokens stored). "
-                     "A CPU run checks correctness and times the PyTorch paths only.")
+        lines.append("No headline points among these rows: they are GPU timings of kernels with a target, where "
+                     "the KV read is ≥ 256 MB (S ≥ 4K for prefill, ≥ 16K tokens stored). A CPU run checks "
+                     "correctness and times the PyTorch paths only.")
         return "\n".join(lines) + "\n"
     lines += ["| sweep | kernel | points | % of copy bandwidth, median (min–max) | vs baseline, median (min–max) "
               "| target | met |",
@@ -266,8 +268,9 @@ PLOTS = {
 
 
 def plot_sweep(rows, sweep: str, path=None, reference_rows=None, reference_label=None):
-    """The sweep's figure: one panel per batch size (decode-like sweeps), each curve one kernel
-    (and head layout); committed reference rows dashed. Saved to ``path`` when given."""
+    """The sweep's figure: one panel per batch size (decode-like sweeps; two panels a row), each curve one
+    kernel (and head layout); committed reference rows dashed, with the legend beside the panel. Saved to
+    ``path`` when given. Returns the Figure."""
     import matplotlib
 
     if path is not None:
@@ -277,20 +280,97 @@ def plot_sweep(rows, sweep: str, path=None, reference_rows=None, reference_label
     from . import plot_curves
 
     x, y, xlabel, ylabel, series, logy = PLOTS[sweep]
-    rows = [r for r in rows if r["sweep"] == sweep]
-    batches = sorted({r["B"] for r in rows if r.get(y) is not None and r.get("B") is not None}) or [None]
-    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 4.4), squeeze=False)
-    device = rows[0]["device"] if rows else runtime.device_name()
-    for ax, B in zip(axes[0], batches):
+    rows = [r for r in rows if r.get("sweep") == sweep]
+    reference_rows = [r for r in reference_rows or [] if r.get("sweep") == sweep]
+    # a GPU's bandwidth, TFLOP/s or time and a CPU's differ by orders of magnitude: a log axis shows both
+    logy = logy or bool(reference_rows) and y not in ("pct_copy_bw", "vs_baseline")
+    batches = sorted({r["B"] for r in rows + reference_rows if r.get(y) is not None and r.get("B") is not None})
+    batches = batches or [None]
+    ncols = min(2, len(batches))
+    nrows = -(-len(batches) // ncols)
+    width = 7.0 + (4.0 if reference_rows else 0.0)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 4.4 * nrows), squeeze=False)
+    device = rows[0]["device"] if rows else (reference_label or runtime.device_name())
+    for ax, B in zip(axes.flat, batches):
         where = {} if B is None else {"B": B}
         own = curves(rows, x=x, y=y, series=series, where=where)
-        ref = curves(reference_rows or [], x=x, y=y, series=series, where=where)
-        shape = next((r for r in rows if _matches(r, where)), {})
+        ref = curves(reference_rows, x=x, y=y, series=series, where=where)
+        shape = next((r for r in rows + reference_rows if _matches(r, where)), {})
         what = ", ".join(f"{k}={shape[k]}" for k in ("B", "D", "dtype") if shape.get(k) is not None)
         plot_curves(None, own, xlabel=xlabel, ylabel=ylabel, title=f"{sweep}: {what}", logy=logy, device=device,
                     reference=ref, reference_device=reference_label, ax=ax)
+        if reference_rows:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # long labels: beside the plot
+    for ax in axes.flat[len(batches):]:
+        ax.set_visible(False)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)
         plt.close(fig)
     return fig
+
+
+# --------------------------------------------------------------------------------------------
+# What a notebook does with a sweep: check it, draw it beside the reference, state the targets
+# --------------------------------------------------------------------------------------------
+
+NO_REFERENCE = ("No GPU reference results are committed yet; once `scripts/gpu_check.sh` has been run on a GPU "
+                "and its results committed under docs/results/<gpu>/, they appear here as dashed curves.")
+
+
+def show(rows, sweep: str, keep=None):
+    """Check a sweep's rows (no MISMATCH), draw them (in CPU mode beside the committed GPU reference, if
+    any) and say which points were not measured. ``keep(kernel_name)`` selects the curves drawn.
+    Returns (reference label, reference rows) for ``targets``."""
+    import matplotlib.pyplot as plt
+
+    bad = [r for r in rows if str(r.get("status", "")).startswith("MISMATCH")]
+    if bad:
+        raise AssertionError("kernels disagree with their baseline:\n" + "\n".join(
+            f"  {r['kernel']} {r.get('B')}/{r.get('H')}/{r.get('H_KV')}/{r.get('S') or r.get('T')}: {r['status']}"
+            for r in bad))
+    label, ref_rows = (None, []) if runtime.mode() == "gpu" else reference(sweep)
+
+    def kept(rs):
+        return [r for r in rs if r.get("kernel") and (keep is None or keep(r["kernel"]))]
+
+    # draw like against like: the reference's head layouts that this machine measured, if it measured any
+    layouts = {(r.get("H"), r.get("H_KV")) for r in rows if r.get("time_ms") is not None}
+    same = [r for r in ref_rows if (r.get("H"), r.get("H_KV")) in layouts]
+    plot_sweep(kept(rows), sweep, reference_rows=kept(same or ref_rows), reference_label=label)
+    plt.show()
+    missing = {}
+    for r in rows:
+        status = str(r.get("status", ""))
+        if not status.startswith(("ok", "correctness")):
+            missing[status] = missing.get(status, 0) + 1
+    if missing:
+        print("not measured: " + "; ".join(f"{n} point(s): {s}" for s, n in missing.items()))
+    return label, kept(ref_rows)
+
+
+def targets(sweep: str, rows, ref_label=None, ref_rows=(), kernels=None):
+    """Print the sweep's targets, and the headline table of this run (GPU) or of the committed reference."""
+    for sw, kernel, _, target, where, says in TARGETS:
+        if sw == sweep and target is not None and (kernels is None or kernel in kernels):
+            heads = f", {where['H']}/{where['H_KV']} heads" if where else ""
+            print(f"target: {kernel}{heads}: {says}")
+    if runtime.mode() == "gpu":
+        _markdown(f"**This GPU**:\n\n{headline_markdown(rows)}")
+    elif ref_rows:
+        _markdown(f"**The reference GPU** (dashed above), {ref_label}:\n\n{headline_markdown(ref_rows)}")
+    else:
+        print("CPU mode: the targets are about GPU timings. " + NO_REFERENCE)
+
+
+def _markdown(text: str):
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+
+        if get_ipython() is not None:
+            display(Markdown(text))
+            return
+    except ImportError:
+        pass
+    print(text)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import runtime
 from . import copy_bandwidth_gbps, gbps, peak_memory_bytes, tensor_bytes, time_ms
+from .results import COLUMNS, stamp
 
 __all__ = ["SWEEPS", "Point", "Kernel", "run"]
 
@@ -81,6 +82,7 @@ class Kernel:
     expected: str | None = None  # compare with this kernel's output instead of the baseline's
     tol: float | None = None  # max |difference| allowed (default: by dtype)
     compare: bool = True  # False: nothing to compare with (a different computation than the baseline)
+    columns: dict = field(default_factory=dict)  # more columns for this kernel's row (e.g. block_size)
 
 
 @dataclass
@@ -126,7 +128,8 @@ class Ctx:
         self.copy_bw = copy_bandwidth_gbps()
         # do_bench repeats a call for rep_ms (each after flushing L2): 40 ms keeps a full GPU sweep in
         # a few minutes and still gives hundreds of repeats of a sub-millisecond kernel
-        self.time_kw = {"gpu_warmup_ms": 10, "gpu_rep_ms": 40} if self.gpu else {"warmup": 1, "rep": 5}
+        # CPU: at least 5 calls and 50 ms, so a busy core shows as noise rather than as the curve
+        self.time_kw = {"gpu_warmup_ms": 10, "gpu_rep_ms": 40} if self.gpu else {"warmup": 2, "rep": 5, "min_time_s": 0.05}
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +156,7 @@ def copy(ctx: Ctx) -> Iterator[Point]:
     if not ctx.gpu:  # the interpreter's correctness point
         def build_check():
             a = torch.randn(1000, device=ctx.device)
-            return {"torch add": Kernel(lambda: a + a, False, 12000), "triton add": Kernel(lambda: add(a, a), True)}
+            return {"torch add": Kernel(lambda: a + a, False, 12000), "triton add": Kernel(lambda: add(a, a), True, 12000)}
 
         yield Point("copy", {"dtype": "float32"}, build_check, curve=("copy-check",), timed=False,
                     extra={"memory_bytes": 4000})
@@ -284,10 +287,12 @@ def paged(ctx: Ctx) -> Iterator[Point]:
                 nbytes_p = nbytes + tables.nbytes
                 if ctx.gpu or not timed:
                     ks[f"paged block {bs}"] = Kernel(
-                        lambda kb=kb, vb=vb, t=tables: paged_decode_attention(q, kb, vb, t, lens), True, nbytes_p)
+                        lambda kb=kb, vb=vb, t=tables: paged_decode_attention(q, kb, vb, t, lens), True, nbytes_p,
+                        columns={"block_size": bs})
                 else:
                     ks[f"paged_decode_attention_ref block {bs}"] = Kernel(
-                        lambda kb=kb, vb=vb, t=tables: paged_decode_attention_ref(q, kb, vb, t, lens), False, nbytes_p)
+                        lambda kb=kb, vb=vb, t=tables: paged_decode_attention_ref(q, kb, vb, t, lens), False, nbytes_p,
+                        columns={"block_size": bs})
             return ks
 
         kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
@@ -337,7 +342,7 @@ def int8(ctx: Ctx) -> Iterator[Point]:
                 name16 = f"{_dt(dtype)} decode_attention_ref"
             two_step = lambda: decode_attention(  # noqa: E731
                 q, dequantize_int8(kq, ks[..., None], dtype), dequantize_int8(vq, vs[..., None], dtype), lens)
-            ks_ = {name16: Kernel(fp16, ctx.gpu, b16),
+            ks_ = {name16: Kernel(fp16, ctx.gpu or not timed, b16),
                    ("int8 decode (fused dequant)" if ctx.gpu or not timed else "int8_decode_attention_ref"):
                        Kernel(fused, ctx.gpu or not timed, b8)}
             if ctx.gpu:
@@ -372,8 +377,8 @@ def grouped(ctx: Ctx) -> Iterator[Point]:
             nbytes = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
             rep_bytes = nbytes + 2 * n_rep * _kv_bytes(B, H_KV, S, D, k.element_size())  # + write and read the copy
             dec = decode_attention if ctx.gpu else decode_attention_ref
-            ks = {"repeat K/V + decode": Kernel(lambda: dec(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), lens),
-                                                ctx.gpu, rep_bytes)}
+            name = "repeat K/V + decode" if ctx.gpu else "repeat K/V + decode_attention_ref"
+            ks = {name: Kernel(lambda: dec(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), lens), ctx.gpu, rep_bytes)}
             if ctx.gpu or not timed:
                 ks["per-query-head decode"] = Kernel(lambda: decode_attention(q, k, v, lens), True, nbytes)
                 ks["grouped decode"] = Kernel(lambda: grouped_decode_attention(q, k, v, lens), True, nbytes)
@@ -535,7 +540,6 @@ def run(names=None, *, quick: bool = False, budget_s: float | None = None, progr
     """
     from tqdm.auto import tqdm
 
-    from .results import stamp
 
     names = list(SWEEPS) if names is None else list(names)
     unknown = [n for n in names if n not in SWEEPS]
@@ -575,7 +579,7 @@ def run(names=None, *, quick: bool = False, budget_s: float | None = None, progr
             if runtime.DEVICE == "cuda":
                 torch.cuda.empty_cache()
     bar.close()
-    return rows
+    return [{c: r.get(c) for c in COLUMNS} for r in rows]  # every row has every column
 
 
 def _run_point(ctx: Ctx, p: Point, shape_row: dict) -> list[dict]:
@@ -590,7 +594,7 @@ def _run_point(ctx: Ctx, p: Point, shape_row: dict) -> list[dict]:
     dtype = getattr(torch, str(p.shape.get("dtype", "float32")))
     for name in names:
         k = built[name]
-        row = {**shape_row, "kernel": name, "baseline": baseline if name != baseline else None,
+        row = {**shape_row, **k.columns, "kernel": name, "baseline": baseline if name != baseline else None,
                "bytes_moved": k.bytes_moved}
         try:
             out = k.fn()
