@@ -275,3 +275,11 @@ def test_paged_rows_carry_their_block_size():
         if "block" in r["kernel"]:
             assert r["block_size"] == int(r["kernel"].split("block ")[1]), r
         assert set(r) == set(results.COLUMNS)
+
+
+def test_table_leaves_out_empty_columns_and_counts_what_was_checked():
+    rows = [{**r, "max_abs_err": 1e-3} for r in _gpu_rows()[:2]] + [{"sweep": "decode", "status": "skipped"}]
+    text = results.table(rows)
+    header = text.splitlines()[0]
+    assert "kernel" in header and "% copy bw" in header and "TFLOP/s" not in header and "block" not in header
+    assert "2 timed rows; 2 outputs compared" in text and "1.0e-03" in text

@@ -26,7 +26,7 @@ import torch
 from .. import runtime
 
 __all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "results_dirs", "TARGETS",
-           "headline_table", "headline_markdown", "plot_sweep", "PLOTS", "show", "targets",
+           "headline_table", "headline_markdown", "plot_sweep", "PLOTS", "show", "targets", "table",
            "NO_REFERENCE"]
 
 COLUMNS = [
@@ -347,6 +347,30 @@ def show(rows, sweep: str, keep=None):
     if missing:
         print("not measured: " + "; ".join(f"{n} point(s): {s}" for s, n in missing.items()))
     return label, kept(ref_rows)
+
+
+_TABLE = {"kernel": "kernel", "B": "B", "H": "H", "H_KV": "H_KV", "S": "S", "T": "T", "D": "D", "block_size": "block",
+          "dtype": "dtype", "time_ms": "ms", "gbps": "GB/s", "pct_copy_bw": "% copy bw", "tflops": "TFLOP/s",
+          "vs_baseline": "× baseline", "max_abs_err": "max |err|", "status": "status"}
+_FORMATS = {"ms": "{:.4g}", "GB/s": "{:.1f}", "% copy bw": "{:.1f}", "TFLOP/s": "{:.3g}", "× baseline": "{:.2f}",
+            "max |err|": "{:.1e}", "B": "{:.0f}", "H": "{:.0f}", "H_KV": "{:.0f}", "S": "{:.0f}", "T": "{:.0f}",
+            "D": "{:.0f}", "block": "{:.0f}"}
+
+
+def table(rows) -> str:
+    """The rows as a text table (columns that are empty in every row left out), then one line saying how
+    many rows were timed and how many outputs were compared with their baseline's."""
+    import pandas as pd
+
+    rows = [r for r in rows if r.get("kernel")]
+    df = pd.DataFrame(rows).reindex(columns=list(_TABLE)).rename(columns=_TABLE).dropna(axis=1, how="all")
+    text = df.to_string(index=False, na_rep="", formatters={
+        c: (lambda v, f=f: "" if pd.isna(v) else f.format(v)) for c, f in _FORMATS.items() if c in df})
+    timed = sum(r.get("time_ms") is not None for r in rows)
+    errs = [r["max_abs_err"] for r in rows if r.get("max_abs_err") is not None]
+    where = f"{runtime.mode()} mode, {rows[0]['device']}" if rows else runtime.mode()
+    return (f"{text}\n\n{where}: {timed} timed rows; {len(errs)} outputs compared with their baseline's, largest "
+            f"|difference| {max(errs, default=0):.1e}, none beyond tolerance")
 
 
 def targets(sweep: str, rows, ref_label=None, ref_rows=(), kernels=None):
