@@ -5,14 +5,15 @@ inputs and returns the callables to time). ``run`` builds each point, runs every
 check its output against the point's baseline, times it with ``bench.time_ms`` and turns it into a
 result row (see ``results.COLUMNS``).
 
-- GPU: every callable is timed (``triton.testing.do_bench``, cold L2). Workloads follow the course's
-  targets: heads 32/8/128, 64/8/128, 32/32/128; batch 1, 8, 32, 128; context 1K to 128K where
-  memory allows. An out-of-memory error ends that curve; the sweep goes on with the next one.
-- CPU (``quick``): the PyTorch paths are timed at small sizes, and every Triton kernel runs once in
-  the interpreter at a small awkward shape, for correctness only (no time: the interpreter's speed
-  says nothing about the kernel's).
+- GPU: every callable is timed (``triton.testing.do_bench``, cold L2). Workloads (``WORKLOADS``)
+  follow the course's targets: heads 32/8/128, 64/8/128, 32/32/128; batch 1, 8, 32, 128; context 1K
+  to 128K where memory allows. An out-of-memory error ends that curve; the sweep goes on with the
+  next one. ``quick`` runs a few points per sweep.
+- CPU (``quick`` or not): the PyTorch paths are timed at small sizes, and every Triton kernel runs
+  once in the interpreter at a small awkward shape, for correctness only (no time: the interpreter's
+  speed says nothing about the kernel's).
 
-Sweeps: copy (the roofline), prefill, decode, paged, int8, grouped, store, memory.
+Sweeps, in run order: copy (the roofline), decode, paged, int8, grouped, store, prefill, memory.
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ class Ctx:
         self.dtype = torch.float16 if self.gpu else torch.float32  # CPU matmuls are slow in fp16
         self.check_dtype = torch.float16  # interpreter correctness points: the GPU's dtype
         self.copy_bw = copy_bandwidth_gbps()
-        # do_bench repeats a call for rep_ms (each after flushing L2): 40 ms keeps a full GPU sweep in
-        # a few minutes and still gives hundreds of repeats of a sub-millisecond kernel
-        # CPU: at least 5 calls and 50 ms, so a busy core shows as noise rather than as the curve
-        self.time_kw = {"gpu_warmup_ms": 10, "gpu_rep_ms": 40} if self.gpu else {"warmup": 2, "rep": 5, "min_time_s": 0.05}
+        # GPU: do_bench repeats a call for rep_ms (each after flushing L2): 40 ms keeps a full sweep in a
+        # few minutes and still gives hundreds of repeats of a sub-millisecond kernel.
+        # CPU: at least 5 calls and 50 ms, so a busy core shows as noise rather than as the curve.
+        self.time_kw = ({"gpu_warmup_ms": 10, "gpu_rep_ms": 40} if self.gpu
+                        else {"warmup": 2, "rep": 5, "min_time_s": 0.05})
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,7 +158,8 @@ def copy(ctx: Ctx) -> Iterator[Point]:
     if not ctx.gpu:  # the interpreter's correctness point
         def build_check():
             a = torch.randn(1000, device=ctx.device)
-            return {"torch add": Kernel(lambda: a + a, False, 12000), "triton add": Kernel(lambda: add(a, a), True, 12000)}
+            return {"torch add": Kernel(lambda: a + a, False, 12000),
+                    "triton add": Kernel(lambda: add(a, a), True, 12000)}
 
         yield Point("copy", {"dtype": "float32"}, build_check, curve=("copy-check",), timed=False,
                     extra={"memory_bytes": 4000})
@@ -224,8 +227,10 @@ def decode(ctx: Ctx) -> Iterator[Point]:
             q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
             nbytes = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
             qs, ks_, vs_ = ((t.float() for t in (q, k, v)) if dtype == torch.float16 and not ctx.gpu else (q, k, v))
-            ks = {"SDPA": Kernel(lambda: F.scaled_dot_product_attention(qs[:, :, None], ks_, vs_, enable_gqa=H != H_KV)[:, :, 0],
-                                 False, nbytes)}
+            def sdpa():  # one query token: (B, H, 1, D) over the whole cache
+                return F.scaled_dot_product_attention(qs[:, :, None], ks_, vs_, enable_gqa=H != H_KV)[:, :, 0]
+
+            ks = {"SDPA": Kernel(sdpa, False, nbytes)}
             if not ctx.gpu and timed:
                 ks["decode_attention_ref"] = Kernel(lambda: decode_attention_ref(q, k, v, lens), False, nbytes)
             if ctx.gpu or not timed:
