@@ -283,4 +283,6 @@ def test_table_leaves_out_empty_columns_and_counts_what_was_checked():
     text = results.table(rows)
     header = text.splitlines()[0]
     assert "kernel" in header and "% copy bw" in header and "TFLOP/s" not in header and "block" not in header
-    assert "2 timed rows; 2 outputs compared" in text and "1.0e-03" in text
+    assert "2 timed rows; 2 outputs compared" in text and "1.0e-03" in text and "none beyond tolerance" in text
+    rows[1] = {**rows[1], "status": "MISMATCH: max |difference| 0.5 > 0.02", "max_abs_err": 0.5}
+    assert "1 beyond tolerance (MISMATCH)" in results.table(rows)

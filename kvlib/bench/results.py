@@ -368,9 +368,11 @@ def table(rows) -> str:
         c: (lambda v, f=f: "" if pd.isna(v) else f.format(v)) for c, f in _FORMATS.items() if c in df})
     timed = sum(r.get("time_ms") is not None for r in rows)
     errs = [r["max_abs_err"] for r in rows if r.get("max_abs_err") is not None]
+    bad = sum(str(r.get("status", "")).startswith("MISMATCH") for r in rows)
     where = f"{runtime.mode()} mode, {rows[0]['device']}" if rows else runtime.mode()
     return (f"{text}\n\n{where}: {timed} timed rows; {len(errs)} outputs compared with their baseline's, largest "
-            f"|difference| {max(errs, default=0):.1e}, none beyond tolerance")
+            f"|difference| {max(errs, default=0):.1e}, " + (f"{bad} beyond tolerance (MISMATCH)" if bad else
+                                                           "none beyond tolerance"))
 
 
 def targets(sweep: str, rows, ref_label=None, ref_rows=(), kernels=None):

@@ -548,7 +548,6 @@ def run(names=None, *, quick: bool = False, budget_s: float | None = None, progr
     """
     from tqdm.auto import tqdm
 
-
     names = list(SWEEPS) if names is None else list(names)
     unknown = [n for n in names if n not in SWEEPS]
     if unknown:
