@@ -7,8 +7,8 @@ What you will learn:
   empty slots are in each sequence's last, partly filled block (internal fragmentation, under one
   block per sequence), and the freed memory lets many more requests run at once;
 - what a paged server does when the pool runs dry mid-generation: it *preempts* the most recently
-  admitted request (frees its blocks, restarts it later from scratch — recomputation, as vLLM
-  does) so that older requests can keep going;
+  admitted request and later *recomputes* its KV cache, which costs prefill work, and how an
+  admission *watermark* (blocks kept free for growth) trades batch size against that cost;
 - ``padded_batch_savings``: the simplest case, one batch held at once, padded to its longest
   sequence versus rounded up to whole blocks.
 
@@ -16,13 +16,13 @@ This is a pure-Python model of memory *management* only: no tensors, no attentio
 Nothing here is measured on hardware; the numbers follow from the rules below and a seeded
 workload, so they are the same on every machine.
 
-The rules (one step = one decode iteration of a continuous-batching server):
+The rules (one iteration of a continuous-batching server):
 1. Admit waiting requests that have arrived, first come first served, while memory allows; stop
    at the first one that does not fit (no overtaking). Admission stores the whole prompt
-   (prefill).
+   (prefill); a request that was preempted stores its prompt *and* the tokens it had generated.
 2. Every running request generates one token, which is stored in its cache. So a request that
    has generated g tokens stores ``prompt_len + g`` tokens; it is admitted and generates its
-   first token in the same step.
+   first token in the same iteration.
 3. Memory use is measured (after step 2), then requests that have generated ``output_len``
    tokens finish and free their memory.
 
@@ -31,17 +31,44 @@ Policies:
   ``max_len`` tokens, and its row must be contiguous). Admission needs ``max_len`` free slots;
   capacity is a flat count of slots (no fragmentation between requests is modelled).
   Utilization = stored tokens / (running × max_len); everything else is ``reserved_waste``.
-- ``"paged"``: ``capacity_tokens // block_size`` blocks. Admission needs blocks for
-  ``prompt_len + 1`` tokens (the prompt and the first generated token). A running request takes
-  one new block when its length crosses a block boundary. If no block is free, the most recently
-  admitted *other* running request is preempted: its blocks are freed, it goes back to the
-  front of the waiting queue and later restarts from scratch (its generated tokens are counted
-  in ``recomputed_tokens``). This repeats until a block is free. The oldest running request is
-  therefore never preempted, so every request finishes. A request that cannot grow even when it
-  is alone means the pool is too small: ``ValueError``.
+- ``"paged"``: ``capacity_tokens // block_size`` blocks. Admission needs blocks for the tokens it
+  stores plus one (the next generated token), and, with ``watermark`` w > 0, must leave at least
+  ``int(w * num_blocks)`` blocks free afterwards (vLLM's ``watermark``, default 0.01 there; here
+  0, so that the bare mechanism is seen first). A running request takes one new block when its length
+  crosses a block boundary; growth may use the blocks the watermark keeps free. Requests grow in
+  admission order; if no block is free, the most recently admitted running request is preempted —
+  the growing request itself when every other one is older, as in vLLM's scheduler: its blocks are
+  freed and it goes back to the front of the waiting queue. This repeats until a block is free (or
+  the growing request was the one preempted). The oldest running request is therefore never
+  preempted, so every request finishes. A request that cannot grow even when it is alone means the
+  pool is too small: ``ValueError``. With a watermark, every request must fit, whole, in the blocks
+  the watermark does not keep free (otherwise a preempted one could never be admitted again):
+  ``ValueError`` up front.
 
-The three shares add up: utilization + internal_fragmentation + reserved_waste = 1 at every step
-(contiguous has no internal fragmentation here; paged reserves nothing ahead).
+Preemption is by *recompute*, as in vLLM (Kwon et al., SOSP 2023, section 4.5): the preempted
+request keeps the tokens it has generated (they were already sent to the user), but its KV cache is
+gone, so when it is admitted again its prompt and those tokens are prefilled together as one longer
+prompt. ``recomputed_tokens`` counts these re-prefilled tokens; ``prefill_tokens`` = every prompt once
++ ``recomputed_tokens``. (Swapping the blocks to host memory instead is the other option; a later
+chapter compares the two.)
+
+Time. Each iteration is one decode pass and costs one step. The tokens prefilled in an iteration
+(new prompts and re-prefills) run in extra passes of at most ``prefill_tokens_per_step`` tokens
+each, and each extra pass costs one step too: ``prefill_steps`` = sum over iterations of
+ceil(tokens prefilled / ``prefill_tokens_per_step``), and ``steps = iterations + prefill_steps``.
+The assumption behind it: a decode pass is memory-bound (it reads all the weights for one token per
+sequence), and a pass over n prompt tokens costs about the same until n reaches the GPU's ridge
+point, (peak FLOP/s) / (memory bytes/s) × (bytes per weight) / (2 FLOP per weight per token) —
+about 150 tokens on an A100 and 300 on an H100 for 16-bit weights — beyond which its cost grows
+in proportion to n. The default, 256, sits in that range; it ignores attention FLOPs and KV reads
+(which make long-context decode passes slower, i.e. prefill relatively cheaper). It is an
+assumption to vary, not a measurement. ``prefill_tokens_per_step=None`` makes prefill free
+(``steps == iterations``). No cap on the batch (vLLM's ``max_num_seqs``) is modelled.
+
+The three shares add up: utilization + internal_fragmentation + reserved_waste = 1 at every
+iteration (contiguous has no internal fragmentation here; paged reserves nothing ahead).
+``pool_usage`` is the share of the whole pool that holds tokens, so it also counts what is free
+(which a watermark keeps free on purpose).
 """
 
 from __future__ import annotations
@@ -50,10 +77,11 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["Request", "SimResult", "sample_requests", "simulate", "padded_batch_savings"]
+__all__ = ["Request", "SimResult", "sample_requests", "simulate", "padded_batch_savings", "PREFILL_TOKENS_PER_STEP"]
 
 POLICIES = ("contiguous", "paged")
 DRAW_BLOCK = 16  # contiguous snapshots are drawn at this granularity (slots per cell)
+PREFILL_TOKENS_PER_STEP = 256  # default: prompt tokens that cost as much time as one decode iteration (module doc)
 
 
 @dataclass
@@ -68,19 +96,24 @@ class Request:
 class SimResult:
     policy: str  # "contiguous" or "paged"
     block_size: int | None  # None for contiguous
-    steps: int  # simulated steps until every request finished
-    utilization: float  # time-average of stored tokens / allocated slots, over steps with anything allocated
+    steps: int  # time until every request finished, in steps: iterations + prefill_steps
+    utilization: float  # time-average of stored tokens / allocated slots, over iterations with anything allocated
     internal_fragmentation: float  # time-average share of allocated slots empty in a sequence's last block (paged)
     reserved_waste: float  # time-average share of allocated slots reserved for tokens not written (contiguous)
-    mean_running: float  # average number of requests running at once (over all steps)
+    mean_running: float  # average number of requests running at once (over all iterations)
     max_running: int  # most requests running at once
-    preemptions: int  # paged: requests evicted (blocks freed, restarted later) because the pool ran dry
-    tokens_per_step: float  # generated tokens (sum of output_len, recomputation excluded) / steps
-    snapshots: list | None  # record=True: per step, the rid owning each block (or drawing cell), -1 if free
-    snapshot_fill: list | None = None  # record=True: per step, tokens written in each block (or cell)
+    preemptions: int  # paged: requests evicted (blocks freed, recomputed later) because the pool ran dry
+    tokens_per_step: float  # generated tokens (sum of output_len) / steps
+    snapshots: list | None  # record=True: per iteration, the rid owning each block (or drawing cell), -1 if free
+    snapshot_fill: list | None = None  # record=True: per iteration, tokens written in each block (or cell)
     finished: int = 0  # requests that finished (all of them, when simulate returns)
-    generated_tokens: int = 0  # tokens generated by requests that kept them (= sum of output_len)
-    recomputed_tokens: int = 0  # tokens generated and then thrown away by preemption
+    generated_tokens: int = 0  # tokens generated (= sum of output_len: a preempted request keeps its tokens)
+    recomputed_tokens: int = 0  # tokens prefilled again after a preemption (its prompt + the tokens it had generated)
+    iterations: int = 0  # scheduler iterations, one decode pass each (= len(snapshots))
+    prefill_steps: int = 0  # steps spent prefilling: per iteration, ceil(tokens prefilled / prefill_tokens_per_step)
+    prefill_tokens: int = 0  # tokens prefilled in all: every prompt once, plus recomputed_tokens
+    pool_usage: float = 0.0  # time-average share of the whole pool's slots holding tokens (over all iterations)
+    watermark: float = 0.0  # the admission watermark used (paged)
 
 
 def sample_requests(n: int, seed: int = 0, mean_prompt: float = 160, mean_output: float = 240,
@@ -121,8 +154,16 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 def simulate(requests, capacity_tokens: int, policy: str, block_size: int = 16, max_len: int = 2048,
-             record: bool = False) -> SimResult:
-    """Run the workload through a KV pool of ``capacity_tokens`` slots under ``policy`` (see module doc)."""
+             record: bool = False, watermark: float = 0.0,
+             prefill_tokens_per_step: int | None = PREFILL_TOKENS_PER_STEP) -> SimResult:
+    """Run the workload through a KV pool of ``capacity_tokens`` slots under ``policy`` (see module doc).
+
+    ``watermark`` (paged only): the share of the pool's blocks that admission keeps free, as vLLM's
+    ``watermark``: a waiting request is admitted only if ``int(watermark * num_blocks)`` blocks stay free
+    after its blocks are taken. Running requests may still grow into those blocks.
+    ``prefill_tokens_per_step``: prompt tokens that cost one step of time (see module doc); ``None``
+    makes prefill free (the step count is then the number of iterations).
+    """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not isinstance(block_size, int) or block_size < 1:
@@ -131,44 +172,56 @@ def simulate(requests, capacity_tokens: int, policy: str, block_size: int = 16, 
         raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
     if not isinstance(capacity_tokens, int) or capacity_tokens < 1:
         raise ValueError(f"capacity_tokens must be a positive int, got {capacity_tokens!r}")
+    if not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+    if prefill_tokens_per_step is not None and (not isinstance(prefill_tokens_per_step, int)
+                                                or prefill_tokens_per_step < 1):
+        raise ValueError(f"prefill_tokens_per_step must be a positive int or None, got {prefill_tokens_per_step!r}")
     paged = policy == "paged"
     if not paged and capacity_tokens < max_len:
         raise ValueError(f"capacity_tokens={capacity_tokens} is smaller than one max_len={max_len} "
                          f"reservation: no request could ever be admitted (contiguous)")
     num_blocks = capacity_tokens // block_size if paged else 0
+    keep_free = int(watermark * num_blocks) if paged else 0  # vLLM: watermark_blocks
     for r in requests:
         if r.prompt_len < 1 or r.output_len < 1 or r.prompt_len + r.output_len > max_len:
             raise ValueError(f"request {r.rid}: prompt_len={r.prompt_len}, output_len={r.output_len} must be "
                              f">= 1 each with a sum <= max_len={max_len}")
-        if paged and _blocks_for(r.prompt_len + r.output_len, block_size) > num_blocks:
+        # a re-admitted request needs blocks for up to prompt_len + output_len tokens, under the watermark
+        if paged and _blocks_for(r.prompt_len + r.output_len, block_size) > num_blocks - keep_free:
             raise ValueError(f"request {r.rid} needs {r.prompt_len + r.output_len} tokens but "
                              f"capacity_tokens={capacity_tokens} holds only {num_blocks} block(s) of "
-                             f"{block_size}: capacity too small even for this request alone")
+                             f"{block_size}, {keep_free} of them kept free by watermark={watermark}: "
+                             f"capacity too small even for this request alone")
 
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid))  # not yet arrived
     waiting: list = []  # arrived, not running; FCFS (preempted requests go back to the front)
     running: list = []  # in admission order: the last one is the most recently admitted
-    generated = {}  # rid -> tokens generated so far (since its latest admission)
+    generated = {}  # rid -> tokens generated so far (kept across a preemption)
     tables = {}  # paged: rid -> list of block ids
     free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids come out first
     rows = {}  # contiguous: rid -> index of its max_len row
     free_rows = list(range(capacity_tokens // max_len - 1, -1, -1)) if not paged else []
 
-    step = preemptions = recomputed = useful = finished = 0
-    util_sum = frag_sum = waste_sum = 0.0
+    iteration = preemptions = recomputed = prefilled = prefill_steps = useful = finished = 0
+    util_sum = frag_sum = waste_sum = pool_sum = 0.0
     busy_steps = running_sum = max_running = 0
+    preempted: set = set()  # rids preempted and not yet re-admitted
     snapshots, fills = ([], []) if record else (None, None)
     n_total = len(requests)
+    pool_slots = num_blocks * block_size if paged else (capacity_tokens // max_len) * max_len
 
     while finished < n_total:
-        while pending and pending[0].arrival <= step:
+        while pending and pending[0].arrival <= iteration:
             waiting.append(pending.pop(0))
         # 1. admit, first come first served, stopping at the first request that does not fit
+        prefill_now = 0  # tokens prefilled in this iteration: new prompts and re-prefills
         while waiting:
             r = waiting[0]
+            have = generated.get(r.rid, 0)  # > 0: preempted earlier, its KV is computed again
             if paged:
-                need = _blocks_for(r.prompt_len + 1, block_size)
-                if need > len(free_blocks):
+                need = _blocks_for(r.prompt_len + have + 1, block_size)
+                if len(free_blocks) - need < keep_free:
                     break
                 tables[r.rid] = [free_blocks.pop() for _ in range(need)]
             else:
@@ -177,23 +230,34 @@ def simulate(requests, capacity_tokens: int, policy: str, block_size: int = 16, 
                 rows[r.rid] = free_rows.pop()
             waiting.pop(0)
             running.append(r)
-            generated[r.rid] = 0
+            generated[r.rid] = have
+            prefill_now += r.prompt_len + have
+            if r.rid in preempted:  # recompute: prompt and kept tokens prefilled again
+                recomputed += r.prompt_len + have
+                preempted.discard(r.rid)
+        prefilled += prefill_now
+        if prefill_tokens_per_step is not None:
+            prefill_steps += _blocks_for(prefill_now, prefill_tokens_per_step)  # ceil
         # 2. every running request generates one token (taking a new block at a boundary)
         for r in list(running):
-            if r.rid not in generated:  # preempted earlier in this step
+            if r.rid in preempted:  # preempted earlier in this iteration
                 continue
             length = r.prompt_len + generated[r.rid] + 1  # tokens stored once this one is written
             if paged and length > len(tables[r.rid]) * block_size:
                 while not free_blocks:
-                    victim = running[-1] if running[-1] is not r else (running[-2] if len(running) > 1 else None)
-                    if victim is None:
+                    victim = running[-1]  # the most recently admitted: r itself when all others are older
+                    if victim is r and len(running) == 1:
                         raise ValueError(f"request {r.rid} cannot grow to {length} tokens even alone: "
                                          f"capacity_tokens={capacity_tokens} is too small")
-                    running.remove(victim)
+                    running.pop()
                     free_blocks.extend(reversed(tables.pop(victim.rid)))
-                    recomputed += generated.pop(victim.rid)
-                    waiting.insert(0, victim)
+                    preempted.add(victim.rid)
+                    waiting.insert(0, victim)  # older victims end up in front of newer ones
                     preemptions += 1
+                    if victim is r:
+                        break
+                if r.rid in preempted:  # it preempted itself: it generates nothing this iteration
+                    continue
                 tables[r.rid].append(free_blocks.pop())
             generated[r.rid] += 1
         # 3. measure, then free finished requests
@@ -202,6 +266,7 @@ def simulate(requests, capacity_tokens: int, policy: str, block_size: int = 16, 
             allocated = sum(len(t) for t in tables.values()) * block_size
         else:
             allocated = len(running) * max_len
+        pool_sum += stored / pool_slots
         if allocated:
             busy_steps += 1
             util_sum += stored / allocated
@@ -225,15 +290,18 @@ def simulate(requests, capacity_tokens: int, policy: str, block_size: int = 16, 
                 free_rows.append(rows.pop(r.rid))
             useful += r.output_len
             finished += 1
-        step += 1
+        iteration += 1
 
     busy = max(busy_steps, 1)
+    steps = iteration + prefill_steps
     return SimResult(
-        policy=policy, block_size=block_size if paged else None, steps=step,
+        policy=policy, block_size=block_size if paged else None, steps=steps,
         utilization=util_sum / busy, internal_fragmentation=frag_sum / busy, reserved_waste=waste_sum / busy,
-        mean_running=running_sum / max(step, 1), max_running=max_running, preemptions=preemptions,
-        tokens_per_step=useful / max(step, 1), snapshots=snapshots, snapshot_fill=fills,
-        finished=finished, generated_tokens=useful, recomputed_tokens=recomputed)
+        mean_running=running_sum / max(iteration, 1), max_running=max_running, preemptions=preemptions,
+        tokens_per_step=useful / max(steps, 1), snapshots=snapshots, snapshot_fill=fills,
+        finished=finished, generated_tokens=useful, recomputed_tokens=recomputed,
+        iterations=iteration, prefill_steps=prefill_steps, prefill_tokens=prefilled,
+        pool_usage=pool_sum / max(iteration, 1), watermark=watermark if paged else 0.0)
 
 
 def _snapshot(running, generated, tables, rows, paged, num_blocks, block_size, capacity_tokens, max_len):
