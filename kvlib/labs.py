@@ -31,6 +31,21 @@ The lab gets, at the indentation of the ``BEGIN`` line::
 - A cell tagged ``solution-only`` (cell metadata ``"tags": ["solution-only"]``; in JupyterLab:
   right sidebar, "Common Tools", "Cell Tags") is left out of the lab, e.g. a cell that asserts
   the solution is right.
+- A cell tagged ``hints`` is copied with its source collapsed (``"jupyter": {"source_hidden":
+  true}``), so the hints it defines do not spoil the exercise: it runs as usual, and the learner
+  asks for them one at a time.
+
+Tiered hints
+------------
+Put each exercise's hints in a ``hints`` cell just above its stub, from a nudge to nearly the
+answer::
+
+    hint = Hints("decode_one",
+                 "Which K/V head does query head h read? ...",
+                 "scores = k_cache[b, g, :L] @ q[b, h] has shape (L,) ...")
+
+``hint(1)`` prints the first one, ``hint(2)`` the second, and so on. Keep the marker's own
+``(hint: ...)`` to a pointer (``hint(1), hint(2) ...``): the stub's message is always visible.
 
 Protecting the learners' work
 -----------------------------
@@ -60,11 +75,13 @@ import json
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
 
 __all__ = [
+    "Hints",
     "LabEditedError",
     "render_lab",
     "lab_is_current",
@@ -72,9 +89,11 @@ __all__ = [
     "check_labs",
     "main",
     "SOLUTION_ONLY_TAG",
+    "HINTS_TAG",
 ]
 
 SOLUTION_ONLY_TAG = "solution-only"
+HINTS_TAG = "hints"
 METADATA_KEY = "kvlib_lab"
 
 # A marker line is a comment, alone on its line, at any indentation; case is ignored so that a
@@ -82,6 +101,31 @@ METADATA_KEY = "kvlib_lab"
 _BEGIN = re.compile(r"^(?P<indent>[ \t]*)#\s*BEGIN\s+SOLUTION\b(?P<rest>.*)$", re.IGNORECASE)
 _END = re.compile(r"^[ \t]*#\s*END\s+SOLUTION\b(?P<rest>.*)$", re.IGNORECASE)
 _HINT = re.compile(r"^\(\s*hint\s*:\s*(?P<hint>.*?)\s*\)$", re.IGNORECASE)
+
+
+class Hints:
+    """An exercise's hints, revealed one at a time: ``hint = Hints("name", "first", "second")``,
+    then ``hint(1)``, ``hint(2)``, ... (``hint()`` is ``hint(1)``)."""
+
+    def __init__(self, exercise: str, *hints: str):
+        if not hints:
+            raise ValueError(f"Hints for {exercise!r}: give at least one hint")
+        self.exercise = exercise
+        self.hints = tuple(hints)
+
+    def __call__(self, n: int = 1) -> None:
+        total = len(self.hints)
+        if not isinstance(n, int) or not 1 <= n <= total:
+            print(f"{self.exercise}: there {'is' if total == 1 else 'are'} {total} hint{'s' * (total != 1)}, "
+                  f"hint(1) … hint({total}); the complete answer is in the solutions/ notebook of the same name")
+            return
+        more = f"; hint({n + 1}) says more" if n < total else "; after this, see the solutions/ notebook"
+        text = textwrap.fill(self.hints[n - 1], width=100, initial_indent="  ", subsequent_indent="  ",
+                             break_long_words=False, break_on_hyphens=False)
+        print(f"{self.exercise}, hint {n} of {total}{more}:\n{text}")
+
+    def __repr__(self) -> str:
+        return f"Hints({self.exercise!r}: {len(self.hints)} hints, call hint(1) … hint({len(self.hints)}))"
 
 
 class LabEditedError(RuntimeError):
@@ -121,12 +165,14 @@ def _count_code_lines(lines: list[str]) -> int:
     return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
 
 
-def _stub(indent: str, n_lines: int, hint: str) -> list[str]:
-    """The two lines that replace a solution region."""
+def _stub(indent: str, n_lines: int, hint: str, tiered: bool = False) -> list[str]:
+    """The two lines that replace a solution region (``tiered``: a ``hints`` cell comes before it)."""
     about = f"about {n_lines} line{'' if n_lines == 1 else 's'}"
     message = f"Exercise: write this part ({about})."
     if hint:
         message += f" Hint: {hint}"
+    if tiered:
+        message += " Stuck? Run hint(1) for a first hint, then hint(2), ..."
     # json.dumps gives a valid Python string literal, whatever quotes the hint contains.
     return [
         f"{indent}# TODO: your code here ({about})",
@@ -134,10 +180,11 @@ def _stub(indent: str, n_lines: int, hint: str) -> list[str]:
     ]
 
 
-def _stub_cell_source(source: str, where: str) -> str:
+def _stub_cell_source(source: str, where: str, tiered: bool = False) -> str:
     """Replace every BEGIN/END SOLUTION region of one code cell's source by a stub.
 
-    ``where`` ("solutions/x.ipynb, cell 3") names the cell in error messages.
+    ``where`` ("solutions/x.ipynb, cell 3") names the cell in error messages; ``tiered``: the
+    notebook has a ``hints`` cell above this one, so the stub points at ``hint(1)``.
     """
     out: list[str] = []
     region: list[str] | None = None  # lines of the region being read, None outside a region
@@ -170,7 +217,7 @@ def _stub_cell_source(source: str, where: str) -> str:
                 raise ValueError(
                     f"{where}: '# END SOLUTION' on line {number} without a '# BEGIN SOLUTION'"
                 )
-            out.extend(_stub(indent, _count_code_lines(region), hint))
+            out.extend(_stub(indent, _count_code_lines(region), hint, tiered))
             region = None
         elif region is not None:
             region.append(line)
@@ -214,6 +261,7 @@ def render_lab(solution_nb, source: str | None = None) -> nbformat.NotebookNode:
     # Widget state is output too; everything else (kernelspec, language_info...) is kept.
     lab.metadata.pop("widgets", None)
     cells = []
+    tiered = False  # a hints cell came before: stubs from here on point at hint(1)
     for index, cell in enumerate(lab.cells):
         if SOLUTION_ONLY_TAG in cell.get("metadata", {}).get("tags", []):
             continue
@@ -221,10 +269,13 @@ def render_lab(solution_nb, source: str | None = None) -> nbformat.NotebookNode:
         # nbformat >= 4.5 wants cell ids; make missing ones deterministic (never random).
         if (lab.nbformat, lab.nbformat_minor) >= (4, 5) and "id" not in cell:
             cell["id"] = f"cell-{index}"
+        if HINTS_TAG in cell.get("metadata", {}).get("tags", []):
+            cell.setdefault("metadata", {}).setdefault("jupyter", {})["source_hidden"] = True
+            tiered = True
         if cell.cell_type == "code":
             original = _source(cell)
             where = f"{name}, cell {index}"
-            cell.source = _stub_cell_source(original, where)
+            cell.source = _stub_cell_source(original, where, tiered)
             if cell.source != original and _parses(original) and not _parses(cell.source):
                 raise ValueError(
                     f"{where}: the lab's code is not valid Python once the solution is cut out; "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -12,7 +14,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 
 from kvlib import labs
 from kvlib.check import check, check_fn
-from kvlib.labs import LabEditedError, generate, lab_is_current, render_lab
+from kvlib.labs import Hints, LabEditedError, generate, lab_is_current, render_lab
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -161,6 +163,61 @@ def test_unbalanced_markers_raise_naming_file_and_cell(tmp_path, source, problem
     assert not (tmp_path / "labs" / "bad.ipynb").exists()
 
 
+def test_hints_cell_is_collapsed_and_later_stubs_point_at_it(capsys):
+    hints = new_code_cell('hint = Hints("softmax_rows", "subtract the max", "use torch.softmax")',
+                          metadata={"tags": ["hints"]})
+    before = new_code_cell("x = 1\n# BEGIN SOLUTION\ny = x + 1\n# END SOLUTION")
+    lab = render_lab(notebook(before, hints, new_code_cell(SOLUTION_FN)))
+    first, hidden, stub = lab.cells
+    assert "hint(1)" not in first.source  # no hints cell above it
+    assert hidden.metadata["jupyter"]["source_hidden"] is True and hidden.source == hints.source
+    assert "Stuck? Run hint(1) for a first hint, then hint(2), ..." in stub.source
+    assert "Hint: use torch.softmax" in stub.source  # the marker's own hint is kept
+    compile(stub.source, "lab", "exec")
+
+    # Expanding the collapsed cell changes metadata only: not an edit of the learner's lab.
+    opened = copy.deepcopy(lab.cells)
+    opened[1].metadata["jupyter"]["source_hidden"] = False
+    assert labs._cells_hash(opened) == lab.metadata.kvlib_lab["generated_hash"]
+
+    hint = Hints("softmax_rows", "subtract the max", "use torch.softmax")
+    hint(1)
+    assert capsys.readouterr().out == "softmax_rows, hint 1 of 2; hint(2) says more:\n  subtract the max\n"
+    hint(2)
+    assert "hint 2 of 2; after this, see the solutions/ notebook:\n  use torch.softmax" in capsys.readouterr().out
+    hint(3)
+    assert "there are 2 hints, hint(1) … hint(2)" in capsys.readouterr().out
+    with pytest.raises(ValueError):
+        Hints("empty")
+
+
+def test_edited_lab_with_hints_is_still_protected(tmp_path):
+    solutions = tmp_path / "solutions"
+    hints = new_code_cell('hint = Hints("add", "one more")', metadata={"tags": ["hints"]})
+    save(notebook(hints, new_code_cell("x = 1\n# BEGIN SOLUTION\ny = x + 1\n# END SOLUTION")),
+         solutions / "01_add.ipynb")
+    lab_dir = tmp_path / "labs"
+    generate(solutions, lab_dir)
+    lab = lab_dir / "01_add.ipynb"
+    nb = load(lab)
+    nb.cells[0].metadata["jupyter"]["source_hidden"] = False  # opened the hints: not an edit
+    save(nb, lab)
+    sol = load(solutions / "01_add.ipynb")
+    sol.cells[0].source = 'hint = Hints("add", "one more", "y = x + 1")'
+    save(sol, solutions / "01_add.ipynb")
+    assert generate(solutions, lab_dir) == [lab]  # regenerated: nothing of the learner's was lost
+
+    nb = load(lab)
+    nb.cells[1].source = nb.cells[1].source.replace("raise NotImplementedError", "y = 2  #")  # an answer
+    save(nb, lab)
+    edited = lab.read_bytes()
+    sol.cells.append(new_markdown_cell("More."))
+    save(sol, solutions / "01_add.ipynb")
+    with pytest.raises(LabEditedError):
+        generate(solutions, lab_dir)
+    assert lab.read_bytes() == edited
+
+
 def test_markers_that_would_break_the_syntax_are_refused():
     source = "total = sum([\n    # BEGIN SOLUTION\n    1, 2,\n    # END SOLUTION\n])"
     with pytest.raises(ValueError, match="not valid Python"):
@@ -297,6 +354,28 @@ def test_committed_labs_are_clean_and_have_solutions():
         ), f"{lab.name} has no exercise stub"
 
 
+def test_committed_labs_teach_from_the_mistake():
+    """Every exercise has tiered hints (a collapsed hints cell above its stub, and the stub points at
+    hint(1)); every lab links back to its chapter notebook; the source articles are never 'seeds'."""
+    chapters = {p.name[:2]: p.name for p in (REPO / "notebooks").glob("*.ipynb")}
+    for lab in sorted((REPO / "labs").glob("*.ipynb")):
+        nb = load(lab)
+        text = "\n".join(cell.source for cell in nb.cells)
+        assert f"(../notebooks/{chapters[lab.name[:2]]})" in text, f"{lab.name}: no link to its chapter notebook"
+        assert not re.search(r"\bseed (article|formula|000|001)|seed article", text, re.IGNORECASE), lab.name
+        hints_seen = False
+        for cell in nb.cells:
+            if "hints" in cell.metadata.get("tags", []):
+                assert cell.metadata["jupyter"]["source_hidden"] is True
+                assert "Hints(" in cell.source
+                hints_seen = True
+            elif cell.cell_type == "code" and "raise NotImplementedError(" in cell.source:
+                assert hints_seen, f"{lab.name}: a stub without a hints cell above it"
+                assert "hint(1)" in cell.source
+                hints_seen = False
+        assert "TODO" not in text.replace("# TODO: your code here", ""), f"{lab.name}: a TODO outside the stubs"
+
+
 # ---------------------------------------------------------------- the checker ------------------
 
 
@@ -322,7 +401,7 @@ def test_check_shape_mismatch(capsys):
     report = str(err.value)
     assert "(3, 2)" in report and "(2, 3)" in report and "FAIL ✗" in report
     assert "Hint: transpose?" in report
-    assert "FAIL ✗" in capsys.readouterr().out  # printed as well as raised
+    assert capsys.readouterr().out == ""  # the report is in the error only: shown once, not twice
 
 
 def test_check_value_mismatch_reports_worst_index():
@@ -364,7 +443,7 @@ def test_check_fn(capsys):
 
     with pytest.raises(NotImplementedError):
         check_fn(mine, torch.exp, torch.zeros(3))
-    assert "mine: not written yet — fill in the TODO" in capsys.readouterr().out
+    assert "mine: not written yet — fill in the stub" in capsys.readouterr().out
 
     def my_exp(x):
         return x.exp()

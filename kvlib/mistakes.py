@@ -1,0 +1,675 @@
+"""Known wrong answers to the labs' exercises, so that a checker can say which one you made.
+
+Course machinery, not a chapter: each function takes the inputs of one exercise's check and returns
+``{description: wrong result}`` for the mistakes learners typically make there, ready for
+``kvlib.check.check(..., mistakes=...)``. A wrong result is a function of no arguments (the checker
+calls it only when your answer fails), computed the way the mistaken code would compute it.
+``tests/test_check.py`` feeds each mistake, written as a learner would write it, through the
+checker and asserts that the report names it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "n_programs", "offsets_and_mask", "axpy",
+    "attention_one_head", "kv_head_for", "online_softmax",
+    "greedy_naive", "recomputed_kv_rows", "top_k_sample",
+    "append_kv", "decode_one", "decode_kernel", "merge_partials", "cached_greedy",
+    "kv_bytes", "sequences_that_fit", "decode_step_time_floor",
+    "allocator_step", "slot_of", "gather_kv", "paged_attention_one", "combine_blocks",
+    "quantized_values", "quant_scales", "dequantize", "int8_attention_one",
+    "repeat_kv", "gqa_attention", "mean_pool_kv",
+]
+
+NO_SQRT_D = "the scores are not divided by √D: scale q·k by 1/sqrt(D) before the softmax"
+BY_D = "the scores are divided by D, not by √D"
+GQA_MODULO = ("query head h read K/V head h % H_KV: the groups are consecutive heads, so it is "
+              "K/V head h // (H // H_KV)")
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 00 · first Triton kernel
+# --------------------------------------------------------------------------------------------
+
+
+def n_programs(cases):
+    """cases: [(n, tile), ...]"""
+    return {
+        "n // tile rounds down: the last, partly filled tile gets no program": lambda: torch.tensor(
+            [n // t for n, t in cases]),
+        "n // tile + 1 is one program too many when n is a multiple of tile": lambda: torch.tensor(
+            [n // t + 1 for n, t in cases]),
+        "math.ceil(n / tile) goes through a float, which cannot hold every large n exactly: "
+        "stay with integers, (n + tile - 1) // tile": lambda: torch.tensor([math.ceil(n / t) for n, t in cases]),
+    }
+
+
+def offsets_and_mask(pid, n, tile):
+    base = pid * tile + torch.arange(tile)
+    return {
+        "the mask keeps offset n too (<= instead of <): the last valid index is n - 1": lambda: [base, base <= n],
+        "the offsets start at pid, not at pid * tile: each program owns a whole tile": lambda: [
+            pid + torch.arange(tile), pid + torch.arange(tile) < n],
+        "the offsets ignore pid: every program would read the first tile": lambda: [
+            torch.arange(tile), torch.arange(tile) < n],
+    }
+
+
+def axpy(alpha, x, y):
+    return {
+        "alpha is missing: the result is x + y": lambda: x + y,
+        "alpha multiplies y instead of x": lambda: x + alpha * y,
+        "alpha multiplies x + y": lambda: alpha * (x + y),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 01 · attention
+# --------------------------------------------------------------------------------------------
+
+
+def _attend_2d(q, k, v, scale, hide=None, dim=-1, after=False, fill=float("-inf")):
+    """softmax(q k^T * scale) v for one head, q (T, D), k/v (S, D); ``hide`` (T, S) marks masked scores."""
+    s = q.float() @ k.float().T * scale
+    if hide is not None and not after:
+        s = s.masked_fill(hide, fill)
+    p = torch.softmax(s, dim=dim)
+    if hide is not None and after:
+        p = p.masked_fill(hide, 0.0)
+    return (p @ v.float()).to(q.dtype)
+
+
+def _causal_mistakes(q, k, v, causal):
+    """Mistakes in one head's (T, D) attention; shared by lab 01 and lab 07."""
+    T, D = q.shape
+    S = k.shape[0]
+    ones = torch.ones(T, S, dtype=torch.bool, device=q.device)
+    future = ones.triu(1) if causal else None
+    s = 1 / math.sqrt(D)
+    out = {
+        NO_SQRT_D: lambda: _attend_2d(q, k, v, 1.0, future),
+        BY_D: lambda: _attend_2d(q, k, v, 1 / D, future),
+        "the softmax runs down each column (dim=0); each query's row must sum to 1 (dim=-1)": lambda: _attend_2d(
+            q, k, v, s, future, dim=0),
+    }
+    if causal:
+        out.update({
+            "there is no causal mask: with causal=True, query i must not see keys j > i": lambda: _attend_2d(
+                q, k, v, s),
+            "the mask hides the diagonal too (triu(0) instead of triu(1)): query i must see key i, itself "
+            "(row 0 then has no key left, hence NaN)": lambda: _attend_2d(q, k, v, s, ones.triu(0)),
+            "the mask hides the past instead of the future (tril instead of triu)": lambda: _attend_2d(
+                q, k, v, s, ones.tril(-1)),
+            "the future scores are set to 0, not -inf: exp(0) = 1 still gives them weight": lambda: _attend_2d(
+                q, k, v, s, future, fill=0.0),
+            "the mask is applied after the softmax: the rows no longer sum to 1; mask the scores with -inf "
+            "before it": lambda: _attend_2d(q, k, v, s, future, after=True),
+        })
+    return out
+
+
+def attention_one_head(q, k, v, causal=True):
+    """q (T, D), k/v (S, D)."""
+    return _causal_mistakes(q, k, v, causal)
+
+
+def kv_head_for(configs):
+    """configs: [(H, H_KV), ...]; the check compares one config at a time, so pass one."""
+    (H, H_KV), = configs
+    return {
+        GQA_MODULO: lambda: torch.tensor([h % H_KV for h in range(H)]),
+        "h // H_KV divides by the number of K/V heads; the group size is H // H_KV": lambda: torch.tensor(
+            [h // H_KV for h in range(H)]),
+    }
+
+
+def _online(scores, values, chunk, *, rescale_l=True, rescale_acc=True, update_m=True, inverted=False):
+    m = torch.tensor(float("-inf"))
+    l = torch.tensor(0.0)
+    acc = torch.zeros(values.shape[1])
+    for start in range(0, scores.shape[0], chunk):
+        s_c, v_c = scores[start:start + chunk], values[start:start + chunk]
+        m_new = torch.maximum(m, s_c.max())
+        alpha = torch.exp(m_new - m) if inverted else torch.exp(m - m_new)
+        p = torch.exp(s_c - m_new)
+        l = (alpha * l if rescale_l else l) + p.sum()
+        acc = (alpha * acc if rescale_acc else acc) + p @ v_c
+        if update_m:
+            m = m_new
+    return acc / l
+
+
+def online_softmax(scores, values, chunk):
+    return {
+        "l and acc are never rescaled by alpha = exp(m_old - m_new): what was summed under the old max "
+        "must be re-expressed under the new one": lambda: _online(scores, values, chunk, rescale_l=False,
+                                                                   rescale_acc=False),
+        "acc is rescaled by alpha but l is not": lambda: _online(scores, values, chunk, rescale_l=False),
+        "l is rescaled by alpha but acc is not": lambda: _online(scores, values, chunk, rescale_acc=False),
+        "m is never updated (m = m_new is missing), so alpha is 0 and each chunk throws the earlier ones "
+        "away": lambda: _online(scores, values, chunk, update_m=False),
+        "alpha is inverted: exp(m_new - m_old) instead of exp(m_old - m_new)": lambda: _online(
+            scores, values, chunk, inverted=True),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 02 · naive decoding
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_naive(model, prompt_ids, n, reference):
+    def first_position():
+        ids = list(prompt_ids)
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, 0].argmax()))
+        return ids[len(prompt_ids):]
+
+    def never_grows():
+        return [int(model(torch.tensor([list(prompt_ids)]))[0, -1].argmax())] * n
+
+    return {
+        "the next token comes from the logits of the first position, logits[0, 0]; the prediction for the "
+        "next token is at the last one, logits[0, -1]": first_position,
+        "the sequence never grows, so every step predicts the same token: append each new token to ids": never_grows,
+        "the prompt is returned too: return only the n new tokens": lambda: list(prompt_ids) + [
+            int(t) for t in reference],
+    }
+
+
+def recomputed_kv_rows(cases):
+    """cases: [(prompt_len, n_new), ...]"""
+    naive = [n * p + n * (n - 1) // 2 for p, n in cases]
+    minimum = [p + n - 1 for p, n in cases]
+    return {
+        "the minimum counts the last new token too: it is never fed to the model, so prompt_len + n_new - 1":
+            lambda: torch.tensor([[a, p + n] for a, (p, n) in zip(naive, cases)]),
+        "the naive count is one step off: step i feeds prompt_len + i tokens for i = 0 … n_new - 1, "
+        "not i = 1 … n_new": lambda: torch.tensor(
+            [[n * p + n * (n + 1) // 2, b] for b, (p, n) in zip(minimum, cases)]),
+        "the naive count uses the final length at every step, n_new * (prompt_len + n_new); the sequence "
+        "grows one token per step": lambda: torch.tensor([[n * (p + n), b] for b, (p, n) in zip(minimum, cases)]),
+    }
+
+
+def top_k_sample(logits, k, temperature, seed, draws):
+    from .generate import sample_next
+
+    def sample(t, kk):
+        g = torch.Generator().manual_seed(seed)
+        return torch.stack([sample_next(logits, t, top_k=kk, generator=g) for _ in range(draws)])
+
+    out = {
+        "the temperature is not used: divide the logits by it before the softmax": lambda: sample(1.0, k),
+        "the logits are multiplied by the temperature; divide them by it": lambda: sample(1 / temperature, k),
+        "one token too many survives the top-k mask: keep exactly the k largest logits": lambda: sample(
+            temperature, k + 1),
+        "the draw is greedy (argmax); sample with torch.multinomial(probs, 1, generator=generator)": lambda: (
+            logits.argmax(dim=-1).expand(draws, -1)),
+    }
+    if k > 1:
+        out["one token too few survives: the mask drops the k-th largest too (mask logits < kth, not <= kth)"] = (
+            lambda: sample(temperature, k - 1))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 03 · the KV cache
+# --------------------------------------------------------------------------------------------
+
+
+def append_kv(cache_before, new, seq_lens):
+    """The cache (B, H_KV, S_max, D) as each mistake leaves it; ``new`` is (B, H_KV, 1, D)."""
+    S_max = cache_before.shape[2]
+
+    def write(assign):
+        out = cache_before.clone()
+        for b in range(new.shape[0]):
+            assign(out, b, int(seq_lens[b]))
+        return out
+
+    def minus_one(out, b, s):
+        out[b, :, s - 1] = new[b, :, 0]
+
+    def plus_one(out, b, s):
+        if s + 1 < S_max:  # past the end, the learner's code raises an IndexError instead
+            out[b, :, s + 1] = new[b, :, 0]
+
+    def to_the_end(out, b, s):
+        out[b, :, s:] = new[b]
+
+    def head_zero(out, b, s):
+        out[b, 0, s] = new[b, 0, 0]
+
+    def first_length(out, b, s):
+        out[b, :, int(seq_lens[0])] = new[b, :, 0]
+
+    return {
+        "each row went to position seq_lens[b] - 1, over the last filled row (and, for an empty sequence, to "
+        "row -1: the end of the buffer); the first free row is seq_lens[b]": lambda: write(minus_one),
+        "each row went to position seq_lens[b] + 1, which skips a row: the first free row is seq_lens[b]": (
+            lambda: write(plus_one)),
+        "every row from seq_lens[b] to the end was written (a slice s: instead of the single row s)": lambda: write(
+            to_the_end),
+        "only K/V head 0 was written: index the cache as [b, :, s] to write every head at once": lambda: write(
+            head_zero),
+        "every sequence used seq_lens[0]: each sequence has its own length": lambda: write(first_length),
+    }
+
+
+def _decode(q, k_cache, v_cache, lens, *, scale=None, head=None):
+    """Decode attention over rows 0 .. lens[b]-1 (fp32), with a configurable scale and head mapping."""
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    B, H, D = q.shape
+    H_KV = k_cache.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    head = head or (lambda h: h // (H // H_KV))
+    out = torch.empty(B, H, D)
+    for b in range(B):
+        L = int(lens[b])
+        for h in range(H):
+            k, v = k_cache[b, head(h), :L].float(), v_cache[b, head(h), :L].float()
+            s = k @ q[b, h].float() * scale
+            out[b, h] = torch.softmax(s, dim=-1) @ v
+    return out.to(q.dtype)
+
+
+def decode_one(q, k_cache, v_cache, seq_lens):
+    D, S_max = q.shape[-1], k_cache.shape[2]
+    H, H_KV = q.shape[1], k_cache.shape[1]
+    lens = [int(n) for n in seq_lens]
+    out = {
+        NO_SQRT_D: lambda: _decode(q, k_cache, v_cache, lens, scale=1.0),
+        BY_D: lambda: _decode(q, k_cache, v_cache, lens, scale=1 / D),
+        "all S_max positions were read: rows seq_lens[b] … S_max - 1 are leftovers; read only [:seq_lens[b]]":
+            lambda: _decode(q, k_cache, v_cache, [S_max] * len(lens)),
+        "one row too many was read (:L + 1): positions 0 … L - 1 are the filled ones": lambda: _decode(
+            q, k_cache, v_cache, [min(n + 1, S_max) for n in lens]),
+        "the last filled row was left out (:L - 1): positions 0 … L - 1 are the filled ones": lambda: _decode(
+            q, k_cache, v_cache, [n - 1 for n in lens]),
+    }
+    if 1 < H_KV < H:
+        out[GQA_MODULO] = lambda: _decode(q, k_cache, v_cache, lens, head=lambda h: h % H_KV)
+    return out
+
+
+def _tiled_decode(q, k_cache, v_cache, seq_lens, tile, *, rescale=True, update_m=True, mask_scores=True,
+                  mask_loads=True, scale=None):
+    """The decode kernel's loop over tiles of ``tile`` positions, one (sequence, head) at a time."""
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    B, H, D = q.shape
+    H_KV, S_max = k_cache.shape[1], k_cache.shape[2]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    out = torch.empty(B, H, D)
+    for b in range(B):
+        L = int(seq_lens[b])
+        for h in range(H):
+            kh = h // (H // H_KV)
+            m, l, acc = torch.tensor(-1e30), torch.tensor(0.0), torch.zeros(D)
+            for start in range(0, L, tile):
+                pos = torch.arange(start, start + tile)
+                ok = pos < L
+                inside = pos < S_max  # rows past the buffer: the interpreter reads them as zeros here
+                loaded = ok if mask_loads else inside
+                k = torch.zeros(tile, D)
+                v = torch.zeros(tile, D)
+                k[loaded] = k_cache[b, kh, pos[loaded]].float()
+                v[loaded] = v_cache[b, kh, pos[loaded]].float()
+                s = k @ q[b, h].float() * scale
+                if mask_scores and mask_loads:
+                    s = torch.where(ok, s, torch.tensor(float("-inf")))
+                elif mask_scores:
+                    s = torch.where(inside, s, torch.tensor(float("-inf")))
+                m_new = torch.maximum(m, s.max())
+                alpha = torch.exp(m - m_new) if rescale else torch.tensor(1.0)
+                p = torch.exp(s - m_new)
+                l = l * alpha + p.sum()
+                acc = acc * alpha + p @ v
+                if update_m:
+                    m = m_new
+            out[b, h] = acc / l
+    return out.to(q.dtype)
+
+
+def decode_kernel(q, k_cache, v_cache, seq_lens, tile):
+    """Mistakes in the Triton decode kernel's inner loop (lab 03), on top of decode_one's."""
+    out = decode_one(q, k_cache, v_cache, seq_lens)
+    del out["the last filled row was left out (:L - 1): positions 0 … L - 1 are the filled ones"]
+    out["one row too many was read: the mask must be pos < L, not pos <= L"] = out.pop(
+        "one row too many was read (:L + 1): positions 0 … L - 1 are the filled ones")
+    del out["all S_max positions were read: rows seq_lens[b] … S_max - 1 are leftovers; read only [:seq_lens[b]]"]
+    out.update({
+        "acc and l are never rescaled by alpha = exp(m_i - m_new) when the running max grows": lambda: _tiled_decode(
+            q, k_cache, v_cache, seq_lens, tile, rescale=False),
+        "m_i is never updated (m_i = m_new is missing)": lambda: _tiled_decode(
+            q, k_cache, v_cache, seq_lens, tile, update_m=False),
+        "positions L … (end of the last tile) are not masked: they hold leftovers and must count for nothing; "
+        "tl.where(pos < L, s, float('-inf')) for the scores (and mask=pos < L for the loads)": lambda: _tiled_decode(
+            q, k_cache, v_cache, seq_lens, tile, mask_loads=False),
+        "the loads are masked but the scores are not: a masked-out position scores 0 (from other=0.0), not "
+        "-inf, and exp(0 - m) still adds to l; tl.where(pos < L, s, float('-inf'))": lambda: _tiled_decode(
+            q, k_cache, v_cache, seq_lens, tile, mask_scores=False),
+    })
+    return out
+
+
+def merge_partials(o1, lse1, o2, lse2):
+    def merged(w1, w2, normalise=True):
+        w1, w2 = w1[..., None], w2[..., None]
+        return (w1 * o1 + w2 * o2) / ((w1 + w2) if normalise else 1)
+
+    m = torch.maximum(lse1, lse2)
+    return {
+        "the two partials are averaged, (o1 + o2) / 2: each must weigh by its share exp(lse_i) of the total "
+        "softmax sum": lambda: (o1 + o2) / 2,
+        "the two partials are added, o1 + o2: each is already normalised over its own range": lambda: o1 + o2,
+        "the weighted sum is not divided by the sum of the weights w1 + w2": lambda: merged(
+            torch.exp(lse1 - m), torch.exp(lse2 - m), normalise=False),
+        "the weights are lse_i themselves; the weights are exp(lse_i - m)": lambda: merged(lse1, lse2),
+        "exp(lse) overflows without subtracting the larger lse first: w_i = exp(lse_i - max(lse1, lse2))":
+            lambda: merged(torch.exp(lse1), torch.exp(lse2)),
+    }
+
+
+@torch.no_grad()
+def cached_greedy(model, prompt_ids, n, reference):
+    from .cache import KVCache
+
+    def run(position):
+        cache = KVCache.for_model(model, 1, len(prompt_ids) + n + 1)
+        logits = model(torch.tensor([list(prompt_ids)]), cache=cache)[:, -1]
+        new = []
+        for _ in range(n):
+            nxt = logits.argmax(dim=-1)
+            new.append(int(nxt))
+            pos = position(cache)
+            logits = model(nxt[:, None], positions=pos, cache=cache)[:, -1]
+        return new
+
+    return {
+        "the new tokens have no positions=, so the model puts each one at position 0: pass "
+        "positions=cache.seq_lens.long()[:, None]": lambda: run(lambda cache: None),
+        "each new token's position is one too large (seq_lens + 1): a new token's position is the number of "
+        "tokens already stored, seq_lens": lambda: run(lambda cache: cache.seq_lens.long()[:, None] + 1),
+        "each new token's position is one too small (seq_lens - 1): that is the previous token's position":
+            lambda: run(lambda cache: cache.seq_lens.long()[:, None] - 1),
+        "the prompt is returned too: return only the n new tokens": lambda: list(prompt_ids) + [
+            int(t) for t in reference],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 04 · KV memory
+# --------------------------------------------------------------------------------------------
+
+
+def kv_bytes(cases):
+    """cases: [(n_layers, n_kv_heads, head_dim, seq_len, batch, bytes_per_element), ...]"""
+
+    def each(f):
+        return lambda: torch.tensor([f(*c) for c in cases])
+
+    return {
+        "the factor 2 is missing: every layer stores a key AND a value per head and token": each(
+            lambda L, h, d, s, b, e: L * h * d * s * b * e),
+        "batch is missing: each sequence of the batch has its own cache": each(
+            lambda L, h, d, s, b, e: 2 * L * h * d * s * e),
+        "bytes_per_element is missing: that counts numbers, not bytes": each(
+            lambda L, h, d, s, b, e: 2 * L * h * d * s * b),
+        "the result is in bits (× 8); count bytes": each(lambda L, h, d, s, b, e: 16 * L * h * d * s * b * e),
+    }
+
+
+def sequences_that_fit(cases):
+    """cases: [(gpu_bytes, weight_bytes, bytes_per_sequence), ...]"""
+
+    def each(f):
+        return lambda: torch.tensor([f(*c) for c in cases])
+
+    return {
+        "no max(0, ...): when the weights alone exceed the GPU, nothing fits (0), not a negative number": each(
+            lambda g, w, s: (g - w) // s),
+        "the quotient is rounded to the nearest integer; a sequence fits only whole, so round down (//)": each(
+            lambda g, w, s: max(0, round((g - w) / s))),
+        "the quotient is rounded up; a sequence fits only whole, so round down (//)": each(
+            lambda g, w, s: max(0, -(-(g - w) // s))),
+        "the weights are not subtracted: they are loaded first, only the rest holds KV caches": each(
+            lambda g, w, s: g // s),
+    }
+
+
+def decode_step_time_floor(cases, kv_of):
+    """cases: [(spec, batch, context, bandwidth), ...]; ``kv_of(spec, context, batch)``: KV bytes."""
+
+    def each(f):
+        return lambda: torch.tensor([f(m, b, c, bw) for m, b, c, bw in cases], dtype=torch.float64)
+
+    w = lambda m: m.weight_bytes("fp16")  # noqa: E731
+    return {
+        "the KV cache of one sequence only: a step reads the cache of every sequence in the batch": each(
+            lambda m, b, c, bw: (w(m) + kv_of(m, c, 1)) / bw),
+        "the weights are read once per sequence; the whole batch shares one pass over them": each(
+            lambda m, b, c, bw: (b * w(m) + kv_of(m, c, b)) / bw),
+        "the weights are missing: a step reads every weight once": each(lambda m, b, c, bw: kv_of(m, c, b) / bw),
+        "the KV cache is missing: a step also reads every sequence's cached K/V": each(lambda m, b, c, bw: w(m) / bw),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 05 · paged KV
+# --------------------------------------------------------------------------------------------
+
+
+def allocator_step(call: str, yours: str, reference: str) -> str:
+    """A diagnosis for the first step where a learner's allocator and the reference disagree."""
+    op = call.split("(")[0]
+    if reference == "OutOfBlocksError" and yours != reference:
+        if yours.endswith("Error"):
+            return f"raise OutOfBlocksError when too few blocks are free, not {yours}"
+        return "allocate must raise OutOfBlocksError when fewer than n blocks are free (and change nothing)"
+    if reference == "ValueError" and yours != reference:
+        return (f"{op} of an id that is not in the pool, or of a free block, must raise ValueError: "
+                "call self._check(block) first")
+    if op == "allocate" and reference.startswith("[") and yours.startswith("["):
+        if sorted(eval(yours)) == sorted(eval(reference)):  # noqa: S307 - our own repr of a list of ints
+            return "the right blocks in the wrong order: pop them one by one from the end of _free"
+        return "other blocks than the reference's: _free is a stack, pop() from its end (and free pushes on it)"
+    if op == "free" and reference in ("True", "False") and yours not in ("True", "False"):
+        return "free must return True when the block went back to the pool, False while others still use it"
+    if op == "free" and {yours, reference} == {"True", "False"}:
+        return ("free returned the wrong bool: a block goes back to the pool (True) only when its count "
+                "reaches 0")
+    return ""
+
+
+def slot_of(table, n_tokens, block_size):
+    def each(f):
+        return lambda: torch.tensor([f(pos) for pos in range(n_tokens)])
+
+    return {
+        "the block table is not used: logical block pos // block_size is not where the data is; look up "
+        "block_table[pos // block_size]": each(lambda pos: pos),
+        "the block is not multiplied by block_size: block b's rows start at slot b * block_size": each(
+            lambda pos: table[pos // block_size] + pos % block_size),
+        "a global offset inside the block (the source article's mistake): the row inside block "
+        "block_table[i] is pos % block_size, not pos": each(lambda pos: table[pos // block_size] * block_size + pos),
+    }
+
+
+def gather_kv(k_blocks, table, seq_len):
+    bs = k_blocks.shape[1]
+    n = -(-seq_len // bs)
+    return {
+        "the block table is not used: the pool's blocks 0, 1, 2 … are not the sequence's; read "
+        "k_blocks[block_table[pos // block_size], pos % block_size]": lambda: k_blocks.reshape(
+            -1, *k_blocks.shape[2:])[:seq_len],
+        f"whole blocks were gathered ({n * bs} rows); only the first seq_len = {seq_len} positions belong to the "
+        "sequence": lambda: k_blocks[table.long()[:n]].reshape(-1, *k_blocks.shape[2:]),
+    }
+
+
+def paged_attention_one(q, k_blocks, v_blocks, table, seq_len):
+    bs, H_KV = k_blocks.shape[1], k_blocks.shape[2]
+
+    def gathered(L, ignore_table=False):
+        pos = torch.arange(L)
+        blocks = pos // bs if ignore_table else table.long()[pos // bs]
+        k = k_blocks[blocks, pos % bs].transpose(0, 1)[None]  # (1, H_KV, L, D)
+        v = v_blocks[blocks, pos % bs].transpose(0, 1)[None]
+        return k, v
+
+    def run(L=seq_len, ignore_table=False, **kw):
+        k, v = gathered(L, ignore_table)
+        return _decode(q[None], k, v, [L], **kw)[0]
+
+    full = -(-seq_len // bs) * bs
+    out = {
+        NO_SQRT_D: lambda: run(scale=1.0),
+        "the block table is not used: the pool's blocks 0, 1, 2 … are not the sequence's": lambda: run(
+            ignore_table=True),
+        f"the whole last block was read ({full} positions): only seq_len = {seq_len} are the sequence's": lambda: run(
+            full),
+    }
+    if 1 < H_KV < q.shape[0]:
+        out[GQA_MODULO] = lambda: run(head=lambda h: h % H_KV)
+    return out
+
+
+def combine_blocks(outs, lses):
+    m = lses.max(dim=0).values
+    w = torch.exp(lses - m)[..., None]
+    return {
+        "the blocks' outputs are averaged: each must weigh by its share exp(lse_i) of the total softmax sum":
+            lambda: outs.mean(dim=0),
+        "the blocks' outputs are added: each is already normalised over its own block": lambda: outs.sum(dim=0),
+        "the weighted sum is not divided by the sum of the weights": lambda: (w * outs).sum(dim=0),
+        "the weights are lse_i themselves; the weights are exp(lse_i - m)": lambda: (
+            lses[..., None] * outs).sum(dim=0) / lses[..., None].sum(dim=0),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 06 · INT8 KV
+# --------------------------------------------------------------------------------------------
+
+
+def _groups(x, dim):
+    return tuple(range(x.dim())) if dim is None else dim
+
+
+def _quant(x, dim, *, rounding="away", levels=127, absolute=True, zero_scale=1.0):
+    amax = (x.float().abs() if absolute else x.float()).amax(dim=_groups(x, dim), keepdim=True)
+    scale = torch.where(amax > 0, amax / levels, torch.full_like(amax, zero_scale))
+    y = x.float() / scale
+    if rounding == "away":
+        r = torch.sign(y) * torch.floor(y.abs() + 0.5)
+    elif rounding == "even":
+        r = torch.round(y)
+    elif rounding == "up":
+        r = torch.floor(y + 0.5)
+    else:  # truncation, what .to(torch.int8) does by itself
+        r = torch.trunc(y)
+    return r.clamp(-127, 127).nan_to_num(0).to(torch.int8), scale
+
+
+TORCH_ROUND = ("torch.round rounds half to even (2.5 -> 2); the store kernel rounds half away from zero: "
+               "sign(y) * floor(|y| + 0.5)")
+
+
+def quantized_values(x, dim):
+    return {
+        "x / scale is converted with .to(torch.int8) without rounding, which truncates toward zero: round first, "
+        "sign(y) * floor(|y| + 0.5)": lambda: _quant(x, dim, rounding="trunc")[0],
+        TORCH_ROUND: lambda: _quant(x, dim, rounding="even")[0],
+        "floor(y + 0.5) rounds -2.5 up to -2; round half away from zero: sign(y) * floor(|y| + 0.5)": lambda: _quant(
+            x, dim, rounding="up")[0],
+        "the scale is amax / 128; the largest magnitude must map to 127": lambda: _quant(x, dim, levels=128)[0],
+        "the scale is amax / 255 (that is for unsigned 8-bit); symmetric int8 maps amax to 127": lambda: _quant(
+            x, dim, levels=255)[0],
+        "the max is taken of x, not of |x|: a group whose largest magnitude is negative gets the wrong scale":
+            lambda: _quant(x, dim, absolute=False)[0],
+    }
+
+
+def quant_scales(x, dim):
+    return {
+        "the scale is amax / 128; the largest magnitude must map to 127": lambda: _quant(x, dim, levels=128)[1],
+        "the scale is amax / 255 (that is for unsigned 8-bit); symmetric int8 maps amax to 127": lambda: _quant(
+            x, dim, levels=255)[1],
+        "the max is taken of x, not of |x|": lambda: _quant(x, dim, absolute=False)[1],
+        "an all-zero group got scale 0: give it scale 1 (its values are 0 anyway), or x / scale is 0/0": lambda: _quant(
+            x, dim, zero_scale=0.0)[1],
+        "the scale is amax itself; it is amax / 127": lambda: _quant(x, dim, levels=1)[1],
+    }
+
+
+def dequantize(q, scale):
+    return {"q is divided by the scale; x_hat = q * scale": lambda: q.float() / scale}
+
+
+def int8_attention_one(q, k_q, k_scale, v_q, v_scale, L):
+    from .quant import int8_decode_attention_ref
+
+    one = lambda t: t[None, None]  # noqa: E731
+
+    def ref(ks=k_scale, vs=v_scale, qq=q, length=L):
+        return int8_decode_attention_ref(one(qq), one(k_q), one(ks), one(v_q), one(vs), torch.tensor([length]))[0, 0]
+
+    ones = torch.ones_like(k_scale)
+    return {
+        "V's scale is missing: each row's probability must be multiplied by v_scale[s] (the values are int8 "
+        "multiples of it)": lambda: ref(vs=ones),
+        "K's scale is missing: each row's score must be multiplied by k_scale[s]": lambda: ref(ks=ones),
+        "both scales are missing: the int8 numbers are multiples of their row's scale": lambda: ref(ones, ones),
+        "K's scale was used for V too: V has scales of its own": lambda: ref(vs=k_scale),
+        NO_SQRT_D: lambda: ref(qq=q * math.sqrt(q.shape[0])),
+        "all S rows were read: only the first L are valid": lambda: ref(length=k_q.shape[0]),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 07 · GQA
+# --------------------------------------------------------------------------------------------
+
+
+def repeat_kv(x, n_rep):
+    return {
+        "the heads are interleaved (0, 1, 0, 1 …, what x.repeat or an axis expanded before H_KV gives): "
+        "K/V head j must fill positions j * n_rep … j * n_rep + n_rep - 1": lambda: x.repeat(1, n_rep, 1, 1),
+    }
+
+
+def gqa_attention(q, k, v):
+    """q (H, T, D), k/v (H_KV, T, D), causal."""
+    H, H_KV = q.shape[0], k.shape[0]
+    n_rep = H // H_KV
+
+    def stacked(description, head=lambda h: h // n_rep):
+        return lambda: torch.stack([_causal_mistakes(q[h], k[head(h)], v[head(h)], True)[description]()
+                                    for h in range(H)])
+
+    out = {d: stacked(d) for d in _causal_mistakes(q[0], k[0], v[0], True)}
+    if 1 < H_KV < H:
+        s = 1 / math.sqrt(q.shape[-1])
+        future = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1)
+        out[GQA_MODULO] = lambda: torch.stack([_attend_2d(q[h], k[h % H_KV], v[h % H_KV], s, future)
+                                               for h in range(H)])
+    return out
+
+
+def mean_pool_kv(w, n_heads, n_kv_heads, head_dim):
+    C = w.shape[1]
+    n_rep = n_heads // n_kv_heads
+    blocks = w.view(n_heads, head_dim, C)
+    return {
+        "the groups are interleaved (heads g, g + H_KV, g + 2·H_KV …): a group is n_rep consecutive heads, "
+        "view(n_kv_heads, n_rep, head_dim, C)": lambda: w.view(n_rep, n_kv_heads, head_dim, C).mean(0).reshape(-1, C),
+        "the group's heads are summed; average them (mean)": lambda: blocks.view(n_kv_heads, n_rep, head_dim, C).sum(
+            1).reshape(-1, C),
+        "only the first head of each group is kept; average all n_rep of them": lambda: blocks[::n_rep].reshape(-1, C),
+    }

@@ -1,0 +1,584 @@
+"""The labs' checkers (kvlib.check) and their diagnoses of known mistakes (kvlib.mistakes).
+
+Each lab exercise's typical wrong answers are written here the way a learner would write them, run
+on the inputs of the lab's own check, and the report must name the mistake.
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvlib  # noqa: F401  (sets the mode before Triton is imported)
+from kvlib import mistakes
+from kvlib.cache import decode_attention_ref, store_kv_ref
+from kvlib.check import CheckFailed, check, check_rows, check_tokens
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def failure(call) -> str:
+    with pytest.raises(CheckFailed) as err:
+        call()
+    return str(err.value)
+
+
+def diagnoses(call) -> list[str]:
+    prefix = "Diagnosis: yours matches a known mistake: "
+    return [line[len(prefix):] for line in failure(call).splitlines() if line.startswith(prefix)]
+
+
+def diagnosed(call, words: str) -> str:
+    """The one diagnosis of a failing check; it must contain ``words``."""
+    found = diagnoses(call)
+    assert len(found) == 1 and words in found[0], found
+    return found[0]
+
+
+# ---------------------------------------------------------------- the checkers -----------------
+
+
+def test_failure_is_reported_once(capsys):
+    with pytest.raises(CheckFailed) as err:
+        check(torch.zeros(3), torch.ones(3), name="x", hint="add one")
+    assert isinstance(err.value, AssertionError)  # a wrong solution notebook fails the suite
+    report = str(err.value)
+    assert report.startswith("x: yours vs reference") and report.endswith("FAIL ✗  Hint: add one")
+    assert capsys.readouterr().out == ""  # not printed and then raised again
+    # In IPython the report is all that is shown, without the checker's stack frames.
+    assert err.value._render_traceback_() == report.split("\n")
+
+
+def test_a_known_mistake_is_named_instead_of_the_hint():
+    calls = []
+
+    def wrong():
+        calls.append(1)
+        return torch.zeros(3)
+
+    found = diagnoses(lambda: check(torch.zeros(3), torch.ones(3), hint="general hint",
+                                    mistakes={"you forgot to add one": wrong, "doubled": torch.full((3,), 2.0)}))
+    assert found == ["you forgot to add one"]
+    assert "general hint" not in failure(lambda: check(torch.zeros(3), torch.ones(3), hint="general hint",
+                                                       mistakes={"zeros": torch.zeros(3)}))
+    # On a pass the variants are never computed; one that cannot be computed names nothing.
+    calls.clear()
+    assert check(torch.ones(3), torch.ones(3), mistakes={"never": wrong})
+    assert calls == []
+    report = failure(lambda: check(torch.zeros(3), torch.ones(3), hint="h", mistakes={"broken": lambda: 1 / 0}))
+    assert report.endswith("FAIL ✗  Hint: h")
+
+
+def test_nan_matches_a_nan_variant_and_is_pointed_out():
+    ref = torch.ones(2, 3)
+    yours = ref.clone()
+    yours[0] = float("nan")
+    report = failure(lambda: check(yours, ref, mistakes={"row 0 masked away": yours.clone()}))
+    assert "yours has 3 NaN values (the reference 0)" in report
+    assert "Diagnosis: yours matches a known mistake: row 0 masked away" in report
+
+
+def test_a_constant_factor_or_offset_is_pointed_out():
+    ref = torch.arange(1.0, 7.0)
+    assert "every value of yours is 0.5 × the reference's" in failure(lambda: check(ref / 2, ref))
+    assert "every value of yours is the reference's +1" in failure(lambda: check(ref + 1, ref))
+    assert "2 of 6 values differ" in failure(lambda: check(torch.cat([ref[:4], ref[4:] * 3]), ref))
+
+
+def test_check_tokens_shows_where_the_sequences_part(capsys):
+    decode = lambda ids: bytes(ids).decode("latin-1")  # noqa: E731
+    ref = list(b"the quick brown fox")
+    assert check_tokens(ref, torch.tensor([ref]), decode=decode, name="greedy")
+    assert "all 19 tokens agree" in capsys.readouterr().out
+
+    yours = list(b"the quick red fox!!")
+    report = failure(lambda: check_tokens(yours, ref, decode=decode, name="greedy"))
+    assert "first difference at position 10 (positions 0..9 agree)" in report
+    assert "token there: yours 114 'r', reference 98 'b'" in report
+    assert "text before it:      'the quick '" in report
+    assert "yours     continues: 'red fox!!'" in report and "reference continues: 'brown fox'" in report
+    assert "max |difference|" not in report  # no arithmetic on token ids
+
+    prompt = list(b"Q: ")
+    found = diagnoses(lambda: check_tokens(prompt + ref, ref, decode=decode,
+                                           mistakes={"the prompt is returned too": prompt + ref}))
+    assert found == ["the prompt is returned too"]
+    longer = failure(lambda: check_tokens(ref + [33], ref, decode=decode))
+    assert "the first 19 tokens agree; then yours has 1 more" in longer
+    assert "not written yet" in failure(lambda: check_tokens(None, ref))
+    assert "not a 1-D sequence of token ids" in failure(lambda: check_tokens(torch.zeros(3), ref))
+
+
+def test_check_rows_names_the_rows_and_who_wrote_them():
+    before = torch.zeros(2, 3, 5, 4)  # (B, H_KV, S_max, D)
+    ref = before.clone()
+    ref[1, :, 2] = 1.0  # the reference writes (sequence 1, position 2)
+    yours = before.clone()
+    yours[1, :, 3] = 1.0  # yours writes one position further
+    report = failure(lambda: check_rows(yours, ref, before=before, row_dims=(0, 2),
+                                        row_names=("sequence", "position"), name="append"))
+    assert report.startswith("append: yours vs reference, row by row")
+    assert "rows that differ (sequence, position): 2 of 10" in report
+    assert "(1, 2): yours left it as it was; the reference writes it" in report
+    assert "(1, 3): yours wrote it; the reference leaves it as it was" in report
+
+
+# ---------------------------------------------------------------- lab 00 -----------------------
+
+
+def test_lab00_mistakes():
+    cases = [(1, 4), (4, 4), (5, 4), (10, 4), (98_765, 1024), (2**40 + 1, 1024), (2**53 + 1, 1024)]
+    ref = torch.tensor([-(-n // t) for n, t in cases])
+    m = mistakes.n_programs(cases)
+    diagnosed(lambda: check(torch.tensor([n // t for n, t in cases]), ref, mistakes=m), "rounds down")
+    diagnosed(lambda: check(torch.tensor([math.ceil(n / t) for n, t in cases]), ref, mistakes=m), "float")
+
+    pid, n, tile = 2, 10, 4
+    offsets = pid * tile + torch.arange(tile)
+    diagnosed(lambda: check([offsets, offsets <= n], [offsets, offsets < n],
+                            mistakes=mistakes.offsets_and_mask(pid, n, tile)), "<= instead of <")
+
+    x, y = torch.randn(1000), torch.randn(1000)
+    diagnosed(lambda: check(x + y, 0.5 * x + y, mistakes=mistakes.axpy(0.5, x, y)), "alpha is missing")
+
+
+# ---------------------------------------------------------------- lab 01 -----------------------
+
+
+def _attention_wrong(q, k, v, scale=True, diagonal=1, after=False, dim=-1):
+    T, D = q.shape
+    scores = q @ k.T / (math.sqrt(D) if scale else 1.0)
+    future = torch.ones(T, k.shape[0], dtype=torch.bool).triu(diagonal)
+    if after:
+        return torch.softmax(scores, dim=dim).masked_fill(future, 0.0) @ v
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=dim) @ v
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(scale=False), "not divided by √D"),
+    (dict(diagonal=0), "hides the diagonal too"),
+    (dict(after=True), "after the softmax"),
+    (dict(dim=0), "down each column"),
+])
+def test_lab01_attention_mistakes(kwargs, words):
+    from kvlib.attention import attention_ref
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 7, 16)
+    ref = attention_ref(q[None, None], k[None, None], v[None, None], causal=True)[0, 0]
+    diagnosed(lambda: check(_attention_wrong(q, k, v, **kwargs), ref,
+                            mistakes=mistakes.attention_one_head(q, k, v, True)), words)
+
+
+def test_lab01_kv_head_and_online_softmax_mistakes():
+    H, H_KV = 8, 2
+    ref = torch.arange(H_KV).repeat_interleave(H // H_KV)
+    diagnosed(lambda: check(torch.tensor([h % H_KV for h in range(H)]), ref,
+                            mistakes=mistakes.kv_head_for([(H, H_KV)])), "h % H_KV")
+
+    torch.manual_seed(0)
+    scores, values = torch.randn(37), torch.randn(37, 8)
+
+    def no_rescaling(chunk):  # what a learner writes who forgets alpha
+        m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(8)
+        for start in range(0, 37, chunk):
+            s_c, v_c = scores[start:start + chunk], values[start:start + chunk]
+            m = torch.maximum(m, s_c.max())
+            p = torch.exp(s_c - m)
+            l = l + p.sum()
+            acc = acc + p @ v_c
+        return acc / l
+
+    diagnosed(lambda: check(no_rescaling(3), torch.softmax(scores, 0) @ values,
+                            mistakes=mistakes.online_softmax(scores, values, 3)), "never rescaled")
+
+
+# ---------------------------------------------------------------- lab 02 -----------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from kvlib.model import load_tiny
+
+    return load_tiny(device="cpu")
+
+
+@torch.no_grad()
+def test_lab02_greedy_mistakes(tiny):
+    from kvlib.generate import generate_naive
+
+    model, tok = tiny
+    prompt_ids, n = tok.encode("Return a new list"), 6
+    reference = generate_naive(model, torch.tensor([prompt_ids]), n)[0]
+    ids = list(prompt_ids)
+    for _ in range(n):  # the learner's loop, reading the first position's logits
+        ids.append(int(model(torch.tensor([ids]))[0, 0].argmax()))
+    m = mistakes.greedy_naive(model, prompt_ids, n, reference)
+    diagnosed(lambda: check_tokens(ids[len(prompt_ids):], reference, decode=tok.decode, mistakes=m), "logits[0, 0]")
+    diagnosed(lambda: check_tokens(ids[:len(prompt_ids)] + reference.tolist(), reference, mistakes=m), "prompt")
+
+
+def test_lab02_count_and_sampling_mistakes():
+    from kvlib.generate import sample_next
+
+    cases = [(1, 1), (5, 1), (1, 5), (28, 40), (100, 1000), (1024, 1024)]
+    ref = torch.tensor([[n * p + n * (n - 1) // 2, p + n - 1] for p, n in cases])
+    diagnosed(lambda: check(torch.tensor([[n * p + n * (n - 1) // 2, p + n] for p, n in cases]), ref,
+                            mistakes=mistakes.recomputed_kv_rows(cases)), "last new token")
+
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(4, 256)
+    k, t = 5, 0.7
+
+    def draws(temperature):
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(20):
+            kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+            probs = torch.softmax(logits.masked_fill(logits < kth, float("-inf")) * temperature, dim=-1)
+            out.append(torch.multinomial(probs, 1, generator=g).squeeze(-1))
+        return torch.stack(out)
+
+    g = torch.Generator().manual_seed(1)
+    ref = torch.stack([sample_next(logits, t, top_k=k, generator=g) for _ in range(20)])
+    diagnosed(lambda: check(draws(t), ref, mistakes=mistakes.top_k_sample(logits, k, t, seed=1, draws=20)),
+              "multiplied by the temperature")
+
+
+# ---------------------------------------------------------------- lab 03 -----------------------
+
+
+def _lab03_cache():
+    torch.manual_seed(0)
+    B, H_KV, S_max, D = 3, 2, 48, 16
+    seq_lens = torch.tensor([0, 5, 47], dtype=torch.int32)
+    k_cache = torch.randn(B, H_KV, S_max, D)
+    k_new = torch.randn(B, H_KV, 1, D)
+    ref = k_cache.clone()
+    store_kv_ref(ref, ref.clone(), k_new, k_new, seq_lens)
+    return k_cache, k_new, seq_lens, ref
+
+
+@pytest.mark.parametrize("where, words", [
+    (lambda s: slice(s - 1, s), "seq_lens[b] - 1"),
+    (lambda s: slice(s, None), "to the end"),
+])
+def test_lab03_append_kv_mistakes(where, words):
+    k_cache, k_new, seq_lens, ref = _lab03_cache()
+    mine = k_cache.clone()
+    for b in range(3):
+        s = int(seq_lens[b])
+        rows = where(s)
+        if rows.start == -1:  # the learner's k_cache[b, :, s - 1] for s = 0 is row -1
+            mine[b, :, -1] = k_new[b, :, 0]
+        else:
+            mine[b, :, rows] = k_new[b]
+    report = failure(lambda: check_rows(mine, ref, before=k_cache, row_dims=(0, 2),
+                                        row_names=("sequence", "position"),
+                                        mistakes=mistakes.append_kv(k_cache, k_new, seq_lens)))
+    assert words in report and "rows that differ (sequence, position)" in report
+
+
+def _decode_inputs(H_KV=2):
+    torch.manual_seed(0)
+    B, H, S_max, D = 3, 4, 48, 16
+    seq_lens = torch.tensor([1, 17, 40], dtype=torch.int32)
+    q = torch.randn(B, H, D)
+    k_cache, v_cache = torch.randn(2, B, H_KV, S_max, D)
+    return q, k_cache, v_cache, seq_lens
+
+
+def _decode_one_wrong(q, k_cache, v_cache, seq_lens, scale=True, head=None, extra=0):
+    B, H, D = q.shape
+    n_rep = H // k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):
+        L = int(seq_lens[b]) + extra
+        for h in range(H):
+            g = head(h) if head else h // n_rep
+            scores = k_cache[b, g, :L] @ q[b, h] / (math.sqrt(D) if scale else 1)
+            out[b, h] = torch.softmax(scores, dim=-1) @ v_cache[b, g, :L]
+    return out
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(scale=False), "not divided by √D"),
+    (dict(head=lambda h: h % 2), "h % H_KV"),
+    (dict(extra=1), "one row too many"),
+])
+def test_lab03_decode_one_mistakes(kwargs, words):
+    q, k, v, seq_lens = _decode_inputs()
+    found = diagnosed(lambda: check(_decode_one_wrong(q, k, v, seq_lens, **kwargs),
+                                    decode_attention_ref(q, k, v, seq_lens), hint="read only seq_lens[b] rows",
+                                    mistakes=mistakes.decode_one(q, k, v, seq_lens)), words)
+    if "√D" in words:  # the issue's example: a missing 1/√D used to get a hint about seq_lens
+        assert "seq_lens" not in found
+
+
+def _lab03_kernel_source() -> str:
+    nb = json.loads((REPO / "solutions" / "03_kv_cache_lab.ipynb").read_text(encoding="utf-8"))
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return next(c for c in cells if "def decode_loop_kernel(" in c)
+
+
+KERNEL_MISTAKES = {  # the learner's loop body, changed the way a learner gets it wrong
+    "no scale": ([("* sm_scale", "")], "not divided by √D"),
+    "no alpha": ([("l_i = l_i * alpha", "l_i = l_i"), ("acc = acc * alpha", "acc = acc")], "never rescaled"),
+    "scores unmasked": ([('s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))',
+                          's = tl.sum(k * q[None, :], axis=1) * sm_scale')], "scores are not"),
+    "<=": ([("ok = pos < L ", "ok = pos <= L ")], "pos <= L"),
+    "no mask": ([("ok = pos < L ", "ok = pos < S_max ")], "are not masked"),
+    "m not updated": ([("        m_i = m_new\n", "\n")], "m_i is never updated"),
+    "kv head h % H_KV": ([("h // n_rep) * S_max", "h % (H // n_rep)) * S_max")], "h % H_KV"),
+}
+
+
+@pytest.mark.parametrize("mistake", ["correct", *KERNEL_MISTAKES])
+def test_lab03_triton_exercise_diagnoses(mistake):
+    """Lab 03's Triton exercise, run in the interpreter (or compiled on a GPU) with typical bugs."""
+    from kvlib import runtime
+
+    src = _lab03_kernel_source()
+    edits, words = KERNEL_MISTAKES.get(mistake, ([], None))
+    for old, new in edits:
+        assert old in src, old
+        src = src.replace(old, new)
+    name = f"<lab03 kernel, {mistake}>"
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)  # Triton reads the source back
+    namespace = {}
+    exec(compile("import math, torch\nfrom kvlib import runtime\nfrom kvlib._triton import tl, triton\n"
+                 "from kvlib.cache import decode_attention_ref\n", name + " imports", "exec"), namespace)
+    exec(compile(src, name, "exec"), namespace)
+    q, k, v, seq_lens = (t.to(runtime.DEVICE) for t in _decode_inputs())
+    run = lambda: check(namespace["decode_triton"](q, k, v, seq_lens, 16), decode_attention_ref(q, k, v, seq_lens),  # noqa: E731
+                        mistakes=mistakes.decode_kernel(q, k, v, seq_lens, 16))
+    if words is None:
+        assert run()
+    else:
+        diagnosed(run, words)
+
+
+def test_lab03_merge_and_cached_greedy_mistakes(tiny):
+    torch.manual_seed(0)
+    x, v = torch.randn(4, 40), torch.randn(4, 40, 16)
+
+    def partial(s, vv):
+        return (torch.softmax(s, -1)[:, None, :] @ vv)[:, 0], torch.logsumexp(s, -1)
+
+    o1, lse1 = partial(x[:, :20], v[:, :20])
+    o2, lse2 = partial(x[:, 20:], v[:, 20:])
+    full, _ = partial(x, v)
+    diagnosed(lambda: check((o1 + o2) / 2, full, mistakes=mistakes.merge_partials(o1, lse1, o2, lse2)), "averaged")
+    big1, big2 = lse1.double() + 1000, lse2.double() + 1000  # exp(lse) overflows
+    naive = (torch.exp(big1)[:, None] * o1.double() + torch.exp(big2)[:, None] * o2.double()) / (
+        torch.exp(big1) + torch.exp(big2))[:, None]
+    diagnosed(lambda: check(naive, full.double(), mistakes=mistakes.merge_partials(o1.double(), big1, o2.double(), big2)),
+              "overflows")
+
+    from kvlib.cache import KVCache
+    from kvlib.generate import generate_naive
+
+    model, tok = tiny
+    prompt_ids, n = tok.encode("Return a new list"), 8
+    reference = generate_naive(model, [prompt_ids], n)[0]
+    with torch.no_grad():  # the learner's loop, without positions= for the new tokens
+        cache = KVCache.for_model(model, 1, len(prompt_ids) + n)
+        logits = model(torch.tensor([prompt_ids]), cache=cache)[:, -1]
+        mine = []
+        for _ in range(n):
+            nxt = logits.argmax(dim=-1)
+            mine.append(int(nxt))
+            logits = model(nxt[:, None], cache=cache)[:, -1]
+    diagnosed(lambda: check_tokens(mine, reference, decode=tok.decode,
+                                   mistakes=mistakes.cached_greedy(model, prompt_ids, n, reference)),
+              "no positions=")
+
+
+# ---------------------------------------------------------------- lab 04 -----------------------
+
+
+def test_lab04_mistakes():
+    from kvlib.memory import GiB, REAL_MODELS, kv_cache_bytes, max_batch, spec
+
+    cases = [(m.n_layers, m.n_kv_heads, m.head_dim, m.max_context, b, 2) for m in REAL_MODELS for b in (1, 4)]
+    ref = torch.tensor([kv_cache_bytes(*c[:5], "fp16") for c in cases])
+    mine = torch.tensor([L * h * d * s * b * e for L, h, d, s, b, e in cases])
+    report = failure(lambda: check(mine, ref, mistakes=mistakes.kv_bytes(cases)))
+    assert "factor 2 is missing" in report and "every value of yours is 0.5 × the reference's" in report
+
+    combos = [("Llama-2-7B", 24, 4096), ("Llama-2-70B", 80, 4096), ("SmolLM2-135M", 16, 8192)]
+    fit = [(g * GiB, spec(n).weight_bytes("fp16"), kv_cache_bytes(spec(n).n_layers, spec(n).n_kv_heads,
+                                                                   spec(n).head_dim, c, 1, "fp16"))
+           for n, g, c in combos]
+    ref = torch.tensor([max_batch(spec(n), g * GiB, c, reserve_bytes=0) for n, g, c in combos])
+    diagnosed(lambda: check(torch.tensor([(g - w) // s for g, w, s in fit]), ref,
+                            mistakes=mistakes.sequences_that_fit(fit)), "no max(0, ...)")
+
+    kv_of = lambda m, c, b: kv_cache_bytes(m.n_layers, m.n_kv_heads, m.head_dim, c, b, "fp16")  # noqa: E731
+    cases = [(spec("Llama-2-7B"), 32, 4096, 3.35e12), (spec("Llama-3-8B"), 8, 8192, 2e12)]
+    ref = torch.tensor([(m.weight_bytes("fp16") + kv_of(m, c, b)) / bw for m, b, c, bw in cases], dtype=torch.float64)
+    mine = torch.tensor([(m.weight_bytes("fp16") + kv_of(m, c, 1)) / bw for m, b, c, bw in cases], dtype=torch.float64)
+    diagnosed(lambda: check(mine, ref, atol=0, rtol=1e-9, mistakes=mistakes.decode_step_time_floor(cases, kv_of)),
+              "one sequence only")
+
+
+# ---------------------------------------------------------------- lab 05 -----------------------
+
+
+def test_lab05_allocator_diagnoses():
+    assert "stack" in mistakes.allocator_step("allocate(2)", "[7, 6]", "[0, 1]")
+    assert "wrong order" in mistakes.allocator_step("allocate(2)", "[1, 0]", "[0, 1]")
+    assert "ValueError" in mistakes.allocator_step("free(8)", "False", "ValueError")
+    assert "OutOfBlocksError" in mistakes.allocator_step("allocate(4)", "[5, 6, 7]", "OutOfBlocksError")
+    assert "True" in mistakes.allocator_step("free(2)", "None", "True")
+
+
+def test_lab05_paged_mistakes():
+    from kvlib.paged import paged_decode_attention_ref
+
+    table = [3, 4, 1, 6, 7, 9, 0, 5, 10, 8]
+    slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(37)])
+    diagnosed(lambda: check(torch.tensor([table[p // 4] * 4 + p for p in range(37)]), slots,
+                            mistakes=mistakes.slot_of(table, 37, 4)), "source article's mistake")
+
+    torch.manual_seed(0)
+    k_blocks, v_blocks = torch.randn(2, 12, 4, 2, 16)
+    block_table = torch.randperm(12)[:6].to(torch.int32)
+    pos = torch.arange(23)
+    ref = k_blocks[block_table.long()[pos // 4], pos % 4]
+    diagnosed(lambda: check(k_blocks.reshape(-1, 2, 16)[:23], ref,
+                            mistakes=mistakes.gather_kv(k_blocks, block_table, 23)), "block table is not used")
+
+    q = torch.randn(4, 16)
+    k = ref.transpose(0, 1).repeat(2, 1, 1)  # (H, L, D) with heads 0, 1, 0, 1: the learner's .repeat
+    v = v_blocks[block_table.long()[pos // 4], pos % 4].transpose(0, 1).repeat(2, 1, 1)
+    mine = (torch.softmax((k @ q[:, :, None])[..., 0] / 4, -1)[:, None, :] @ v)[:, 0]
+    reference = paged_decode_attention_ref(q[None], k_blocks, v_blocks, block_table[None], torch.tensor([23]))[0]
+    diagnosed(lambda: check(mine, reference, mistakes=mistakes.paged_attention_one(
+        q, k_blocks, v_blocks, block_table, 23)), "h % H_KV")
+
+    outs, lses = torch.randn(6, 4, 16), torch.randn(6, 4)
+    w = torch.exp(lses - lses.max(0).values)[..., None]
+    diagnosed(lambda: check(outs.mean(0), (w * outs).sum(0) / w.sum(0), mistakes=mistakes.combine_blocks(outs, lses)),
+              "averaged")
+
+
+# ---------------------------------------------------------------- lab 06 -----------------------
+
+
+def test_lab06_quant_mistakes():
+    from kvlib.quant import int8_decode_attention_ref, quantize_int8
+
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 126.5, 0.0])
+    q_ref = quantize_int8(ties, None)[0]
+    diagnosed(lambda: check(torch.round(ties).to(torch.int8), q_ref, atol=0, rtol=0,
+                            mistakes=mistakes.quantized_values(ties, None)), "torch.round")
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 16)
+    x[2] = 0.0
+    q_ref, s_ref = quantize_int8(x, -1)
+    amax = x.abs().amax(-1, keepdim=True)
+    diagnosed(lambda: check((x / (amax / 127)).to(torch.int8), q_ref, atol=0, rtol=0,
+                            mistakes=mistakes.quantized_values(x, -1)), "truncates")
+    diagnosed(lambda: check(amax / 127, s_ref, rtol=1e-6, atol=0, mistakes=mistakes.quant_scales(x, -1)),
+              "all-zero group got scale 0")
+
+    k, v = torch.randn(2, 24, 32)
+    qv = torch.randn(32)
+    k_q, k_scale = quantize_int8(k, -1)
+    v_q, v_scale = quantize_int8(v, -1)
+    k_scale, v_scale = k_scale[:, 0], v_scale[:, 0]
+    L = 19
+    one = lambda t: t[None, None]  # noqa: E731
+    ref = int8_decode_attention_ref(one(qv), one(k_q), one(k_scale), one(v_q), one(v_scale), torch.tensor([L]))[0, 0]
+    p = torch.softmax((k_q[:L].float() @ qv) * k_scale[:L] / math.sqrt(32), -1)
+    diagnosed(lambda: check(p @ v_q[:L].float(), ref, mistakes=mistakes.int8_attention_one(
+        qv, k_q, k_scale, v_q, v_scale, L)), "V's scale is missing")
+
+
+# ---------------------------------------------------------------- lab 07 -----------------------
+
+
+def test_lab07_gqa_mistakes():
+    from kvlib.attention import attention_ref
+    from kvlib.gqa import repeat_kv
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 5, 8)
+    diagnosed(lambda: check(x[:, None].expand(2, 4, 2, 5, 8).reshape(2, 8, 5, 8), repeat_kv(x, 4), atol=0, rtol=0,
+                            mistakes=mistakes.repeat_kv(x, 4)), "interleaved")
+
+    q = torch.randn(8, 6, 16)
+    k, v = torch.randn(2, 2, 6, 16)
+    mine = torch.stack([_attention_wrong(q[h], k[h % 2], v[h % 2]) for h in range(8)])
+    diagnosed(lambda: check(mine, attention_ref(q[None], k[None], v[None])[0], mistakes=mistakes.gqa_attention(q, k, v)),
+              "h % H_KV")
+
+    w = torch.randn(64, 32)
+    ref = w.view(2, 4, 8, 32).mean(1).reshape(16, 32)
+    diagnosed(lambda: check(w.view(4, 2, 8, 32).mean(0).reshape(16, 32), ref,
+                            mistakes=mistakes.mean_pool_kv(w, 8, 2, 8)), "interleaved")
+
+
+# ---------------------------------------------------------------- every variant ----------------
+
+
+def _variant_sets():
+    """(label, reference, mistakes) on inputs like the labs' checks use."""
+    from kvlib.attention import attention_ref
+    from kvlib.gqa import repeat_kv
+    from kvlib.quant import quantize_int8
+
+    torch.manual_seed(0)
+    random.seed(0)
+    out = []
+    q, k, v = torch.randn(3, 7, 16)
+    out.append(("attention", attention_ref(q[None, None], k[None, None], v[None, None])[0, 0],
+                mistakes.attention_one_head(q, k, v, True)))
+    scores, values = torch.randn(37), torch.randn(37, 8)
+    out.append(("online", torch.softmax(scores, 0) @ values, mistakes.online_softmax(scores, values, 3)))
+    qd, kd, vd, lens = _decode_inputs()
+    out.append(("decode_one", decode_attention_ref(qd, kd, vd, lens), mistakes.decode_one(qd, kd, vd, lens)))
+    out.append(("decode_kernel", decode_attention_ref(qd, kd, vd, lens), mistakes.decode_kernel(qd, kd, vd, lens, 16)))
+    k_cache, k_new, seq_lens, ref = _lab03_cache()
+    out.append(("append_kv", ref, mistakes.append_kv(k_cache, k_new, seq_lens)))
+    x = torch.randn(6, 4, 16)
+    x[2] = 0.0
+    for dim in (None, (1, 2), -1, (0, 2), 0):
+        qx, sx = quantize_int8(x, dim)
+        out.append((f"values {dim}", qx, mistakes.quantized_values(x, dim)))
+        out.append((f"scales {dim}", sx, mistakes.quant_scales(x, dim)))
+    xr = torch.randn(2, 2, 5, 8)
+    out.append(("repeat_kv", repeat_kv(xr, 2), mistakes.repeat_kv(xr, 2)))
+    qg = torch.randn(8, 6, 16)
+    kg, vg = torch.randn(2, 2, 6, 16)
+    out.append(("gqa", attention_ref(qg[None], kg[None], vg[None])[0], mistakes.gqa_attention(qg, kg, vg)))
+    return out
+
+
+def test_every_variant_is_named_as_itself_and_only_itself():
+    """Each wrong variant, fed to the checker as if it were the learner's answer, is diagnosed as itself,
+    so no two mistakes of one exercise give the same result on the lab's inputs."""
+    missed, ambiguous = [], []
+    for label, reference, variants in _variant_sets():
+        for what, wrong in variants.items():
+            value = wrong()
+            try:
+                check(value, reference)
+            except CheckFailed:
+                pass
+            else:
+                continue  # this input cannot show the mistake (the lab's other cases do)
+            found = diagnoses(lambda: check(value, reference, mistakes=variants))
+            if what not in found:
+                missed.append((label, what))
+            elif len(found) > 1:
+                ambiguous.append((label, found))
+    assert not missed and not ambiguous, (missed, ambiguous)
