@@ -286,3 +286,26 @@ def test_table_leaves_out_empty_columns_and_counts_what_was_checked():
     assert "2 timed rows; 2 outputs compared" in text and "1.0e-03" in text and "none beyond tolerance" in text
     rows[1] = {**rows[1], "status": "MISMATCH: max |difference| 0.5 > 0.02", "max_abs_err": 0.5}
     assert "1 beyond tolerance (MISMATCH)" in results.table(rows)
+
+
+def test_prefill_flops_is_half_the_dense_count_torch_counts():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kvlib.attention import attention_ref
+
+    B, H, H_KV, S, D = 1, 4, 2, 32, 16
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, H_KV, S, D), torch.randn(B, H_KV, S, D)
+    with FlopCounterMode(display=False) as counter:  # attention_ref multiplies the full S x S, then masks
+        attention_ref(q, k, v)
+    assert sweeps.prefill_flops(B, H, S, D, causal=False) == counter.get_total_flops() == 4 * B * H * S * S * D
+    assert sweeps.prefill_flops(B, H, S, D) == 2 * B * H * S * S * D
+
+
+def test_percent_of_bandwidth_plots_draw_a_100_percent_line():
+    own = [{"sweep": "decode", "kernel": "SDPA", "B": 1, "S": s, "pct_copy_bw": 50.0, "device": "CPU"} for s in (1, 2)]
+    fig = results.plot_sweep(own, "decode")
+    assert any(ln.get_ydata()[0] == 100 and "100%" in ln.get_label() for ln in fig.axes[0].lines)
+    copy = [{"sweep": "copy", "kernel": "torch copy", "memory_bytes": m, "gbps": 10.0, "pct_copy_bw": 50.0,
+             "device": "CPU"} for m in (1, 2)]
+    fig = results.plot_sweep(copy, "copy")
+    assert any(ln.get_ydata()[0] == pytest.approx(20.0) and "100%" in ln.get_label() for ln in fig.axes[0].lines)

@@ -55,6 +55,30 @@ def time_ms(fn, *, warmup: int = 3, rep: int = 10, min_time_s: float = 0.0, gpu_
     return statistics.median(times) * 1e3
 
 
+def time_runs(fn, *, budget_s: float = 2.0, min_rep: int = 3, max_rep: int = 50, warmup: int = 1) -> list[float]:
+    """Wall times of ``fn()`` in milliseconds, one per call, for timing cells on a busy laptop.
+
+    ``warmup`` untimed calls, then at least ``min_rep`` timed calls and more while the total stays
+    under ``budget_s`` seconds (at most ``max_rep``). Show the spread with :func:`spread`.
+    """
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_rep or (len(times) < max_rep and time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def spread(times_ms: list[float], unit: str = "ms") -> str:
+    """'median 1.23 ms (min 1.10, max 1.52, 9 runs)' for a list of timings."""
+    return (f"median {statistics.median(times_ms):.3g} {unit} "
+            f"(min {min(times_ms):.3g}, max {max(times_ms):.3g}, {len(times_ms)} runs)")
+
+
 def tensor_bytes(obj) -> int:
     """Bytes of tensor storage reachable from ``obj`` (tensor, nn.Module, list/tuple/dict, object
     with tensor attributes). Tensors sharing one storage are counted once."""

@@ -39,7 +39,7 @@ COLUMNS = [
     "bytes_moved",  # bytes the call must read + write at least
     "gbps",  # bytes_moved / time, 1 GB = 1e9 bytes
     "pct_copy_bw",  # gbps as % of this machine's measured copy bandwidth (the roofline)
-    "tflops",  # prefill rows: useful FLOPs / time (causal: half the products)
+    "tflops",  # prefill rows: useful FLOPs / time (sweeps.prefill_flops: causal 2*B*H*S^2*D)
     "baseline",  # the row this one is compared with
     "vs_baseline",  # baseline time / this time (> 1: faster than the baseline)
     "max_abs_err",  # max |output - baseline's output| (or the reference's)
@@ -267,6 +267,22 @@ PLOTS = {
 }
 
 
+def _roofline(ax, rows, y):
+    """The 100% line: at 100 on a % of copy bandwidth axis; on the copy sweep's GB/s axis, at the copy_bw
+    this run divided by (gbps / pct_copy_bw of its rows). Dotted, so it is not taken for a reference curve."""
+    if y == "pct_copy_bw":
+        level, label = 100.0, "100% = measured copy bandwidth"
+    elif y == "gbps":
+        bws = [r["gbps"] * 100 / r["pct_copy_bw"] for r in rows if r.get("gbps") and r.get("pct_copy_bw")]
+        if not bws:
+            return
+        level, label = bws[0], f"measured copy bandwidth {bws[0]:,.1f} GB/s (= 100%)"
+    else:
+        return
+    ax.axhline(level, color="gray", linestyle=":", linewidth=1.5, label=label)
+    ax.legend(fontsize=8)
+
+
 def plot_sweep(rows, sweep: str, path=None, reference_rows=None, reference_label=None):
     """The sweep's figure: one panel per batch size (decode-like sweeps; two panels a row), each curve one
     kernel (and head layout); committed reference rows dashed, with the legend beside the panel. Saved to
@@ -299,6 +315,7 @@ def plot_sweep(rows, sweep: str, path=None, reference_rows=None, reference_label
         what = ", ".join(f"{k}={shape[k]}" for k in ("B", "D", "dtype") if shape.get(k) is not None)
         plot_curves(None, own, xlabel=xlabel, ylabel=ylabel, title=f"{sweep}: {what}", logy=logy, device=device,
                     reference=ref, reference_device=reference_label, ax=ax)
+        _roofline(ax, rows, y)
         if reference_rows:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # long labels: beside the plot
     for ax in axes.flat[len(batches):]:

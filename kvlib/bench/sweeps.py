@@ -30,7 +30,7 @@ from .. import runtime
 from . import copy_bandwidth_gbps, gbps, peak_memory_bytes, tensor_bytes, time_ms
 from .results import COLUMNS, stamp
 
-__all__ = ["SWEEPS", "Point", "Kernel", "run"]
+__all__ = ["SWEEPS", "Point", "Kernel", "run", "prefill_flops"]
 
 HEADS = [(32, 8, 128), (64, 8, 128), (32, 32, 128)]  # (H, H_KV, D): Llama-3-8B, Llama-3-70B, Llama-2-7B
 K = 1024
@@ -183,6 +183,17 @@ def prefill(ctx: Ctx) -> Iterator[Point]:
         yield _prefill_point(ctx, 1, 4, 2, 100, 64, ctx.check_dtype, timed=False, flash=flash_attention, ref=None)
 
 
+def prefill_flops(B: int, H: int, S: int, D: int, causal: bool = True) -> float:
+    """Useful FLOPs of attention over S tokens (T = S), counted as 2 per multiply-add.
+
+    Q K^T is S x S dot products of length D per (batch, query head): S*S*D multiply-adds; P V the same.
+    Dense: 2 * 2 * B*H*S*S*D = 4*B*H*S^2*D FLOPs. Causal: only the S(S+1)/2 pairs on or below the
+    diagonal are needed, counted as half of the dense products: 2*B*H*S^2*D FLOPs (notebook 01 derives it).
+    """
+    dense = 4 * B * H * S * S * D
+    return dense / 2 if causal else float(dense)
+
+
 def _prefill_point(ctx, B, H, H_KV, S, D, dtype, *, timed, flash, ref):
     def build():
         q = _randn(B, H, S, D, dtype=dtype, device=ctx.device)
@@ -199,7 +210,7 @@ def _prefill_point(ctx, B, H, H_KV, S, D, dtype, *, timed, flash, ref):
             ks["flash_attention"] = Kernel(lambda: flash(q, k, v), True, nbytes)
         return ks
 
-    flops = 4 * B * H * S * S * D / 2  # causal: half of the S x S products
+    flops = prefill_flops(B, H, S, D, causal=True)  # 2*B*H*S^2*D: half of the dense 4*B*H*S^2*D
     return Point("prefill", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": S, "D": D, "dtype": _dt(dtype)}, build,
                  curve=("prefill", H, H_KV, D, timed), headline=S >= 4096, flops=flops,
                  need_bytes=B * (2 * H + 4 * H) * S * D * 2, timed=timed)
