@@ -1,0 +1,146 @@
+"""The README's table of CPU results, generated from the notebooks' committed outputs.
+
+Every figure in that table is read from what a notebook printed when it was last executed (the
+outputs committed with it), so the README cannot drift from the notebooks::
+
+    python -m kvlib.readme            # rewrite the table between the README's markers
+    python -m kvlib.readme --check    # exit 1 if the README differs (tests/test_readme.py does this)
+
+Each row names the notebook and a regular expression over that notebook's printed text; a pattern
+that no longer matches is an error naming the notebook, so rewording a printed sentence means
+updating the row here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- cpu-results:start -->", "<!-- cpu-results:end -->"
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str  # the first column
+    notebook: str  # file in notebooks/
+    pattern: str  # regex over the notebook's printed outputs; its named groups fill `measured`
+    measured: str  # format string over the named groups
+
+
+ROWS = [
+    Row("naive decoding, tiny model: step time at position 512 vs 32, measured (FLOP model)", "02_naive_decoding.ipynb",
+        r"Ratio (?P<x>[\d.]+)×, where the FLOP model predicts (?P<f>[\d.]+)×", "{x}× ({f}×)"),
+    Row("cached vs naive generation of 256 tokens, tiny model (target ≥ 5×)", "03_kv_cache.ipynb",
+        r"Measured \*\*(?P<x>[\d.]+)x\*\*: target \*\*(?P<met>met|missed)\*\*", "{x}× ({met})"),
+    Row("SmolLM2-135M-Instruct, greedy tokens/s: kvlib naive loop / kvlib KV cache / transformers `generate`, "
+        "same weights", "03_kv_cache.ipynb",
+        r"kvlib, naive loop:\s+(?P<naive>[\d.]+) tokens/s.*?kvlib, KV cache:\s+(?P<cached>[\d.]+) tokens/s"
+        r".*?transformers generate:\s+(?P<hf>[\d.]+) tokens/s", "{naive} / {cached} / {hf}"),
+    Row("SmolLM2-135M-Instruct, fp32 decode step against its bound (bytes of weights + cache ÷ copy bandwidth)",
+        "03_kv_cache.ipynb", r"In fp32 the decode step reaches \*\*(?P<pct>\d+%)\*\* of the bandwidth bound",
+        "{pct} of the bound"),
+    Row("LLaMA-7B, batch 4, 2048 tokens, fp16: the source article's formula vs correct", "04_kv_memory.ipynb",
+        r"Article 000's formula overstates LLaMA-7B's cache 32× \((?P<bad>\d+ GiB) instead of (?P<good>\d+ GiB)",
+        "{bad} vs {good}"),
+    Row("SmolLM2-135M KV bytes per token, predicted = allocated by kvlib's caches: fp16 / fp32 / INT8 with scales",
+        "04_kv_memory.ipynb",
+        r"caches built for SmolLM2-135M: (?P<fp16>[\d,]+) bytes per token in fp16, (?P<fp32>[\d,]+) in fp32, "
+        r"(?P<int8>[\d,]+) in INT8", "{fp16} / {fp32} / {int8}"),
+    Row("the same caches measured independently (resident memory of a fresh process) vs the formula",
+        "04_kv_memory.ipynb", r"grew by the formula's bytes within (?P<pct>[\d.]+%)", "within {pct}"),
+    Row("1000 simulated requests, 64K-token pool: share of allocated KV memory holding tokens, max-length "
+        "reservation vs paged (block 16); requests running at once", "05_paged_kv.ipynb",
+        r"Contiguous reservation: (?P<c>[\d.]+%) of the allocated KV memory holds tokens.*?paged, block 16: "
+        r"(?P<p>[\d.]+%).*?Requests running at once, on average: (?P<a>[\d.]+) → (?P<b>[\d.]+)",
+        "{c} vs {p}; {a} vs {b}"),
+    Row("the same, preemption by recompute: preemptions and tokens prefilled again, no watermark → watermark 0.01",
+        "05_paged_kv.ipynb",
+        r"watermark, 0\.01 \([^)]*\), cuts preemptions from (?P<p0>[\d,]+) to (?P<p1>[\d,]+) and tokens prefilled "
+        r"again from (?P<r0>[\d,]+) to (?P<r1>[\d,]+)", "{p0} → {p1}; {r0} → {r1}"),
+    Row("the source article's \"paging saves 30–50% when lengths differ > 4×\", batches of 8 with max/min > 4",
+        "05_paged_kv.ipynb",
+        r"saving from paging mean (?P<mean>\d+%), median \d+%, 10th–90th percentile (?P<lo>\d+%)–(?P<hi>\d+%); "
+        r"(?P<inside>\d+%) of them inside", "mean saving {mean} ({lo}–{hi}); {inside} of batches in 30–50%"),
+    Row("INT8 KV cache on the tiny model, 200 held-out tokens: greedy agreement, perplexity change, bytes vs fp16 "
+        "(targets ≥ 95%, < 1%, ≤ 0.55×)", "06_int8_kv.ipynb",
+        r"greedy agreement:\s+(?P<agree>[\d.]+%).*?perplexity:\s+[\d.]+ -> [\d.]+ \((?P<ppl>[-+\d.]+%).*?"
+        r"KV bytes vs fp16:\s+(?P<bytes>[\d.]+x)", "{agree}, {ppl}, {bytes}"),
+    Row("INT8 KV cache on SmolLM2-135M-Instruct, ~300 held-out tokens: perplexity change, teacher-forced top-1 "
+        "agreement", "06_int8_kv.ipynb",
+        r"The int8 cache changes it by \*\*(?P<ppl>[-+\d.]+%)\*\* ± (?P<se>[\d.]+%).*?agrees at "
+        r"\*\*(?P<agree>[\d.]+%)\*\*", "{ppl} ± {se}, {agree}"),
+    Row("SmolLM2-135M-Instruct keys, relative INT8 error per channel vs per token", "06_int8_kv.ipynb",
+        r"on the real model, averaged over its 30 layers: on K, \*\*per-channel beats per-token\*\*: "
+        r"(?P<c>[\d.]+) vs (?P<t>[\d.]+)", "{c} vs {t}"),
+    Row("tiny model MHA → 4 / 2 / 1 K/V heads, loss after a 150-step fine-tune vs the MHA model fine-tuned the "
+        "same way (nats/byte)", "07_gqa.ipynb",
+        r"Control: the MHA model fine-tuned the same way goes from [\d.]+ to (?P<ctl>[\d.]+).*?"
+        r"g = 4: .*?after the fine-tune (?P<g4>[\d.]+).*?g = 2: .*?after the fine-tune (?P<g2>[\d.]+).*?"
+        r"g = 1: .*?after the fine-tune (?P<g1>[\d.]+)", "{g4} / {g2} / {g1} vs {ctl}"),
+    Row("SmolLM2-135M-Instruct (9 query / 3 K/V heads), layer 15: the wrong head mapping h % 3 vs h // 3",
+        "07_gqa.ipynb", r"the wrong mapping h % 3 is off by up to (?P<err>[\d.]+)", "off by up to {err} (h // 3: agrees)"),
+]
+
+
+def printed_text(notebook: Path) -> str:
+    """Everything a notebook's committed outputs show as text (stdout, markdown, plain results)."""
+    nb = json.loads(notebook.read_text())
+    parts = []
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                parts.append("".join(out["text"]))
+            for mime in ("text/markdown", "text/plain"):
+                if mime in out.get("data", {}):
+                    parts.append("".join(out["data"][mime]))
+    return "\n".join(parts)
+
+
+def table(root: Path = ROOT) -> str:
+    lines = ["| what | measured | where |", "|---|---|---|"]
+    texts: dict[str, str] = {}
+    for row in ROWS:
+        if row.notebook not in texts:
+            texts[row.notebook] = printed_text(root / "notebooks" / row.notebook)
+        m = re.search(row.pattern, texts[row.notebook], flags=re.S)
+        if m is None:
+            raise ValueError(f"notebooks/{row.notebook}: no printed output matches {row.pattern!r} "
+                             f"(row {row.what!r} in kvlib/readme.py)")
+        link = f"[notebook {row.notebook[:2]}](notebooks/{row.notebook})"
+        lines.append(f"| {row.what} | {row.measured.format(**m.groupdict())} | {link} |")
+    return "\n".join(lines)
+
+
+def render(readme: str, root: Path = ROOT) -> str:
+    if START not in readme or END not in readme:
+        raise ValueError(f"README.md has no {START} ... {END} markers")
+    head, rest = readme.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table(root)}\n{END}{tail}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the notebooks")
+    args = ap.parse_args(argv)
+    path = ROOT / "README.md"
+    old = path.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print("README.md's results table differs from the notebooks' outputs; run `python -m kvlib.readme`")
+            return 1
+        print("README.md's results table matches the notebooks' outputs")
+        return 0
+    path.write_text(new)
+    print(f"wrote the results table into {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

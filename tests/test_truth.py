@@ -1,0 +1,81 @@
+"""Checks that keep the course's words true (issue "truth pass"):
+
+- no internal jargon for the source articles ("seed 000", "seed article"), no stale "chapter to come",
+  no TODO in the chapters or the solutions (the labs' stubs keep their own marker);
+- every hand-drawn %-of-bandwidth plot in a notebook draws its 100% line (the harness's own plots are
+  tested in test_bench_sweeps.py);
+- the README's results table is what the notebooks' committed outputs say (``python -m kvlib.readme``).
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlib import readme
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+LABS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+JARGON = re.compile(r"seed[ -](article|0\d\d\b)|the seed article|chapter to come", re.I)
+
+
+def _texts(nb: Path):
+    """(where, text) for every cell source and every textual output (images are not text)."""
+    d = json.loads(nb.read_text())
+    for i, cell in enumerate(d["cells"]):
+        yield f"{nb.name} cell {i}", "".join(cell["source"])
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                yield f"{nb.name} cell {i} output", "".join(out["text"])
+            for mime in ("text/markdown", "text/plain", "text/html"):
+                if mime in out.get("data", {}):
+                    yield f"{nb.name} cell {i} output", "".join(out["data"][mime])
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS + LABS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_jargon_or_stale_promises(nb):
+    bad = [(where, m.group(0)) for where, text in _texts(nb) for m in JARGON.finditer(text)]
+    assert not bad, f"say 'the source article' (named by title in notebook 00) and link existing chapters: {bad}"
+
+
+def test_no_jargon_in_readme_and_package():
+    files = [ROOT / "README.md", *sorted((ROOT / "kvlib").rglob("*.py"))]
+    bad = [(f.name, m.group(0)) for f in files for m in JARGON.finditer(f.read_text())]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_todo_in_chapters_and_solutions(nb):
+    d = json.loads(nb.read_text())
+    bad = [i for i, cell in enumerate(d["cells"]) if "TODO" in "".join(cell["source"])]
+    assert not bad, f"{nb.name}: TODO in cells {bad}"
+
+
+PCT_AXIS = re.compile(r"""(ylabel\s*=\s*|set_ylabel\(\s*)f?["'][^"']*%[^"']*["']""")
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_percent_of_bandwidth_plots_draw_their_100_percent_line(nb):
+    d = json.loads(nb.read_text())
+    for i, cell in enumerate(d["cells"]):
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and PCT_AXIS.search(src):
+            assert re.search(r"axhline\(\s*100", src), f"{nb.name} cell {i}: a % axis without axhline(100, ...)"
+
+
+def test_readme_results_table_matches_the_notebooks():
+    text = (ROOT / "README.md").read_text()
+    assert readme.render(text) == text, "the README's results table is stale: run `python -m kvlib.readme`"
+
+
+def test_readme_generator_fails_loudly_on_a_reworded_output(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    for row in readme.ROWS:
+        nb = {"cells": [{"cell_type": "code", "source": [], "outputs": [{"output_type": "stream", "text": ["x"]}]}]}
+        (tmp_path / "notebooks" / row.notebook).write_text(json.dumps(nb))
+    with pytest.raises(ValueError, match="no printed output matches"):
+        readme.table(tmp_path)
