@@ -19,19 +19,30 @@ import math
 import torch
 
 from . import runtime
-from ._triton import tl, triton
+from ._triton import check_kernel_dtype, tl, triton
 
 __all__ = ["attention_ref", "flash_attention", "check_attention_inputs"]
 
 
 def check_attention_inputs(q, k, v, max_head_dim=None):
-    """Raise a clear ValueError/TypeError unless q (B, H, T, D), k/v (B, H_KV, S, D) fit together."""
+    """Raise a clear ValueError/TypeError unless q (B, H, T, D), k/v (B, H_KV, S, D) fit together.
+
+    >>> check_attention_inputs(torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16))
+    >>> check_attention_inputs(torch.zeros(1, 4, 3, 16), torch.zeros(1, 3, 5, 16), torch.zeros(1, 3, 5, 16))
+    Traceback (most recent call last):
+    ...
+    ValueError: k has H_KV=3 heads, which must divide q's H=4 heads
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             want = "(B, H, T, D)" if name == "q" else "(B, H_KV, S, D)"
             raise ValueError(f"{name} must have 4 dims {want}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): every dim must be >= 1")
     B, H, T, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"v must have k's shape {tuple(k.shape)} (B, H_KV, S, D), got {tuple(v.shape)}")
@@ -53,7 +64,17 @@ def check_attention_inputs(q, k, v, max_head_dim=None):
 
 
 def attention_ref(q, k, v, causal=True):
-    """softmax(q k^T / sqrt(D) [+ causal mask]) v, one explicit step at a time, in fp32."""
+    """softmax(q k^T / sqrt(D) [+ causal mask]) v, one explicit step at a time, in fp32.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(1, 2, 3, 8, generator=g)  # (B, H, T, D)
+    >>> k, v = torch.randn(1, 1, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)  # H_KV = 1
+    >>> out = attention_ref(q, k, v)
+    >>> out.shape
+    torch.Size([1, 2, 3, 8])
+    >>> torch.equal(out[:, :, 0], v[:, :, 0].expand(1, 2, 8))  # causal: the first row sees only key 0
+    True
+    """
     check_attention_inputs(q, k, v)
     B, H, T, D = q.shape
     S, n_rep = k.shape[2], H // k.shape[1]
@@ -130,29 +151,53 @@ def _flash_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def _tiles(D: int, interpreter: bool):
-    """Default tile sizes: (TILE_M, TILE_N, num_warps) for a padded head dim D."""
+def dot_on_tensor_cores(dtype: torch.dtype, device) -> bool:
+    """Whether ``tl.dot`` on ``dtype`` runs on tensor cores there: fp16/bf16 on a GPU of compute capability
+    8.0 or newer. fp32 runs in IEEE precision (runtime sets TRITON_F32_DEFAULT=ieee) and every dtype on a
+    T4 (sm_75) runs on plain FMA units, which keep the whole tile in registers: they need smaller tiles."""
+    device = torch.device(device)
+    if dtype == torch.float32 or device.type != "cuda":
+        return dtype != torch.float32
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _tiles(D: int, interpreter: bool, tensor_cores: bool = True):
+    """Default tile sizes: (TILE_M, TILE_N, num_warps) for a padded head dim D.
+
+    Chosen so that no configuration spills registers or asks for more shared memory than a block may
+    have (64 KiB on a T4): ``python -m kvlib.compile_check`` checks each for sm_75, sm_80 and sm_90.
+    """
     if interpreter:  # fewer, larger programs run faster in the interpreter
         return 32, 32, 4
+    if not tensor_cores:  # FMA units (fp32, or a T4): larger tiles spill on Triton 3.6 (32 x 32: 312 B/thread)
+        return 16, 16, 4
     if D <= 64:
-        return 64, 64, 4
+        return 64, 64, 8  # 4 warps spill on sm_80 with Triton 3.2 and 3.6 (24-64 B/thread)
     if D <= 128:
-        return 128, 64, 8
+        return 128, 32, 8  # TILE_N=64 spills 8 B/thread on sm_80
     return 64, 32, 8
 
 
 def flash_attention(q, k, v, causal=True):
-    """Attention with the Triton kernel; same arguments and result as ``attention_ref``."""
+    """Attention with the Triton kernel; same arguments and result as ``attention_ref``.
+
+    Takes fp32, fp16 or bf16 (bf16 needs a GPU of compute capability >= 8.0; not in CPU mode).
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(1, 2, 5, 16, generator=g).to(DEVICE) for _ in range(3))
+    >>> torch.allclose(flash_attention(q, k, v), attention_ref(q, k, v), atol=1e-5)
+    True
+    """
     check_attention_inputs(q, k, v, max_head_dim=256)
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"q, k, v must be fp32, fp16 or bf16, got {q.dtype}")
+    check_kernel_dtype("attention.flash_attention", "q", q, dot=True)
     if not runtime.require_triton("attention.flash_attention", q=q, k=k, v=v):
         return attention_ref(q, k, v, causal)
     B, H, T, D = q.shape
     S = k.shape[2]
     out = torch.empty_like(q)
     TILE_D = max(16, triton.next_power_of_2(D))
-    TILE_M, TILE_N, num_warps = _tiles(TILE_D, runtime.INTERPRETER)
+    TILE_M, TILE_N, num_warps = _tiles(TILE_D, runtime.INTERPRETER, dot_on_tensor_cores(q.dtype, q.device))
     grid = (triton.cdiv(T, TILE_M), B * H)
     _flash_attention_kernel[grid](
         q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -162,17 +207,21 @@ def flash_attention(q, k, v, causal=True):
     return out
 
 
-def _compile_spec(dtype: str, D: int):
-    TILE_M, TILE_N, num_warps = _tiles(D, interpreter=False)
+def _compile_spec(dtype: str, D: int, archs=(80, 90)):
+    tensor_cores = dtype != "fp32" and min(archs) >= 80
+    TILE_M, TILE_N, num_warps = _tiles(D, interpreter=False, tensor_cores=tensor_cores)
     sig = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
     for t in "qkvo":
         sig.update({f"stride_{t}{a}": "i32" for a in ("b", "h", "t" if t in "qo" else "s", "d")})
     sig.update(H="i32", T="i32", S="i32", D="i32", n_rep="i32", qk_scale="fp32",
                CAUSAL="constexpr", TILE_M="constexpr", TILE_N="constexpr", TILE_D="constexpr")
-    return dict(kernel=_flash_attention_kernel, signature=sig, num_warps=num_warps,
+    return dict(kernel=_flash_attention_kernel, signature=sig, num_warps=num_warps, archs=archs,
                 constexprs=dict(CAUSAL=True, TILE_M=TILE_M, TILE_N=TILE_N, TILE_D=D))
 
 
-# How tests/test_compile.py builds this kernel for sm_80 and sm_90 (default tiles per head dim).
+# How tests/test_compile.py builds this kernel: the wrapper's default tiles per head dim for sm_80/sm_90,
+# and the FMA tiles it picks on a T4 (sm_75; no bf16 there).
 COMPILE_SPECS = [_compile_spec("fp16", 64), _compile_spec("fp16", 128), _compile_spec("fp32", 64),
-                 _compile_spec("bf16", 128)]
+                 _compile_spec("bf16", 128),
+                 _compile_spec("fp16", 64, archs=(75,)), _compile_spec("fp16", 128, archs=(75,)),
+                 _compile_spec("fp32", 64, archs=(75,))]

@@ -16,11 +16,12 @@ Shapes: q (B, H, D); k_cache, v_cache (B, H_KV, S_max, D); seq_lens (B,) integer
 """
 
 import math
+import operator
 
 import torch
 
 from . import runtime
-from ._triton import tl, triton
+from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
 
 __all__ = ["KVCache", "store_kv", "store_kv_ref", "decode_attention", "decode_attention_ref", "CacheFullError"]
@@ -30,15 +31,40 @@ class CacheFullError(RuntimeError):
     """Appending would run past the cache's capacity; nothing was written."""
 
 
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= minimum, or a TypeError/ValueError naming ``name``.
+
+    >>> check_int("max_len", 8)
+    8
+    >>> check_int("max_len", -3)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_len must be >= 1, got -3
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = operator.index(value)  # numpy and 0-d torch integers too; never a float
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None) -> int:
     """kv_dtype: the caches' required dtype when it differs from q's (int8 caches, chapter 06).
 
     Returns the longest sequence. Reads seq_lens on the host once (one GPU sync per call: a decode
     step over a few hundred MB of K/V takes ~100 µs, so every sync would show in the curves)."""
-    if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, seq_lens)):
-        raise TypeError("q, k_cache, v_cache and seq_lens must be torch tensors")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    if q.numel() == 0:
+        raise ValueError(f"q must hold at least one sequence, head and dim (B, H, D >= 1), got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be (B, H_KV, S_max, D), got shape {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
@@ -47,8 +73,10 @@ def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None) -> int:
     if k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be (B={B}, H_KV, S_max, D={D}) to match q, got {tuple(k_cache.shape)}")
     H_KV = k_cache.shape[1]
-    if H % H_KV:
+    if H_KV < 1 or H % H_KV:
         raise ValueError(f"k_cache has H_KV={H_KV} heads, which must divide q's H={H} heads")
+    if k_cache.shape[2] < 1:
+        raise ValueError(f"k_cache must hold S_max >= 1 positions, got shape {tuple(k_cache.shape)}")
     if seq_lens.dtype not in (torch.int32, torch.int64) or seq_lens.shape != (B,):
         raise ValueError(f"seq_lens must be a (B={B},) int32/int64 tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     want = kv_dtype or q.dtype
@@ -68,7 +96,15 @@ def _check_cache_args(q, k_cache, v_cache, seq_lens, kv_dtype=None) -> int:
 
 
 def decode_attention_ref(q, k_cache, v_cache, seq_lens):
-    """softmax(q . k / sqrt(D)) v over each sequence's first seq_lens[b] positions, in fp32."""
+    """softmax(q . k / sqrt(D)) v over each sequence's first seq_lens[b] positions, in fp32.
+
+    >>> k = torch.zeros(2, 1, 4, 8)  # (B, H_KV, S_max, D)
+    >>> v = torch.arange(4.0).view(1, 1, 4, 1).expand(2, 1, 4, 8)  # position p holds the value p
+    >>> out = decode_attention_ref(torch.zeros(2, 2, 8), k, v, torch.tensor([1, 4]))  # equal scores
+    >>> out[:, :, 0]  # the mean of the first seq_lens[b] values: 0, then (0+1+2+3)/4
+    tensor([[0.0000, 0.0000],
+            [1.5000, 1.5000]])
+    """
     _check_cache_args(q, k_cache, v_cache, seq_lens)
     B, H, D = q.shape
     n_rep = H // k_cache.shape[1]
@@ -201,9 +237,19 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     """One query token per sequence over its cached K/V; same result as ``decode_attention_ref``.
 
     num_splits: None chooses automatically (``choose_splits``); 1 disables split-K; a power of two
-    forces that many splits.
+    forces that many splits. q and the caches: fp32, fp16 or bf16 (bf16 needs a GPU of compute
+    capability >= 8.0).
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(2, 4, 16, generator=g).to(DEVICE)  # (B, H, D)
+    >>> k, v = (torch.randn(2, 2, 8, 16, generator=g).to(DEVICE) for _ in range(2))  # (B, H_KV, S_max, D)
+    >>> lens = torch.tensor([8, 3], device=DEVICE)
+    >>> torch.allclose(decode_attention(q, k, v, lens), decode_attention_ref(q, k, v, lens), atol=1e-5)
+    True
     """
     longest = _check_cache_args(q, k_cache, v_cache, seq_lens)
+    check_kernel_dtype("cache.decode_attention", "q", q)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("cache.decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
@@ -224,6 +270,8 @@ def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, blo
     if num_splits is None:
         num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()) if longest is None else longest)
     check_num_splits(num_splits)
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] and block_table[b, i] with unit strides
+    block_table = None if block_table is None else block_table.contiguous()
     split_len = triton.cdiv(max_len, num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
     TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D)
@@ -275,8 +323,46 @@ def pick_kernels(kernels, device="cuda"):
 # --------------------------------------------------------------------------------------------
 
 
+def _check_store_args(k_cache, v_cache, k_new, v_new, start, cache_dtype=None, names=("k_cache", "v_cache")):
+    """Shapes, dtypes, devices of a store (cache_dtype: the caches' dtype when it is not k_new's;
+    names: what the caller calls its two caches, for the messages)."""
+    kc, vc = names
+    for name, t in ((kc, k_cache), (vc, v_cache), ("k_new", k_new), ("v_new", v_new), ("start", start)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in ((kc, k_cache), (vc, v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if t.dim() != 4 or t.numel() == 0:
+            raise ValueError(f"{name} must be a non-empty 4-d tensor (B, H_KV, S_max or T, D), got shape {tuple(t.shape)}")
+    B, H_KV, T, D = k_new.shape
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != (B, H_KV) or k_cache.shape[3] != D:
+        raise ValueError(f"{kc}/{vc} must be (B={B}, H_KV={H_KV}, S_max, D={D}), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not k_new.is_floating_point() or v_new.dtype != k_new.dtype:
+        raise TypeError(f"k_new and v_new must share one floating-point dtype, got {k_new.dtype}, {v_new.dtype}")
+    want = cache_dtype or k_new.dtype
+    if not (k_cache.dtype == v_cache.dtype == want):
+        raise TypeError(f"{kc} and {vc} must be {want}, got {k_cache.dtype}, {v_cache.dtype}")
+    if start.shape != (B,) or start.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"start must be a (B={B},) int32/int64 tensor, got {tuple(start.shape)} {start.dtype}")
+    if len({t.device for t in (k_cache, v_cache, k_new, v_new, start)}) != 1:
+        raise ValueError(f"{kc}, {vc}, k_new, v_new and start must be on one device")
+
+
 def store_kv_ref(k_cache, v_cache, k_new, v_new, start):
-    """Write k_new/v_new (B, H_KV, T, D) into the caches at positions start[b] .. start[b]+T-1."""
+    """Write k_new/v_new (B, H_KV, T, D) into the caches at positions start[b] .. start[b]+T-1.
+
+    >>> k_cache, v_cache = torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2)
+    >>> store_kv_ref(k_cache, v_cache, torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), torch.tensor([1]))
+    >>> k_cache[0, 0, :, 0].tolist()
+    [0.0, 1.0, 1.0, 0.0]
+    """
+    _check_store_args(k_cache, v_cache, k_new, v_new, start)
+    T = k_new.shape[2]
+    lo, hi = torch.stack([start.min(), start.max()]).tolist()
+    if lo < 0 or hi + T > k_cache.shape[2]:
+        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
     for b in range(k_new.shape[0]):
         s = int(start[b])
         k_cache[b, :, s: s + k_new.shape[2]] = k_new[b]
@@ -309,25 +395,27 @@ def _store_kv_kernel(
 
 
 def store_kv(k_cache, v_cache, k_new, v_new, start):
-    """Write T new K/V rows of each sequence at its own position ``start[b]`` (Triton kernel)."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-d tensor (B, H_KV, S or T, D)")
+    """Write T new K/V rows of each sequence at its own position ``start[b]`` (Triton kernel).
+
+    k_cache, v_cache (B, H_KV, S_max, D); k_new, v_new (B, H_KV, T, D), one dtype (fp32, fp16, bf16);
+    start (B,) int32/int64 tensor.
+
+    >>> from kvlib.runtime import DEVICE
+    >>> k_cache, v_cache = torch.zeros(2, 1, 4, 2, device=DEVICE), torch.zeros(2, 1, 4, 2, device=DEVICE)
+    >>> new = torch.ones(2, 1, 1, 2, device=DEVICE)  # one new token per sequence
+    >>> store_kv(k_cache, v_cache, new, new, torch.tensor([0, 3], device=DEVICE))
+    >>> k_cache[:, 0, :, 0].tolist()  # sequence 0 got position 0, sequence 1 position 3
+    [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+    """
+    _check_store_args(k_cache, v_cache, k_new, v_new, start)
     B, H_KV, T, D = k_new.shape
-    if v_new.shape != k_new.shape:
-        raise ValueError(f"v_new must have k_new's shape {tuple(k_new.shape)}, got {tuple(v_new.shape)}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != (B, H_KV) or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache/v_cache must be (B={B}, H_KV={H_KV}, S_max, D={D}), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if not (k_new.dtype == v_new.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError("new K/V rows and the caches must share one dtype")
-    if start.shape != (B,) or start.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"start must be a (B={B},) int32/int64 tensor, got {tuple(start.shape)} {start.dtype}")
     lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
     if lo < 0 or hi + T > k_cache.shape[2]:
         raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
+    check_kernel_dtype("cache.store_kv", "k_new", k_new)  # the caches share its dtype (checked above)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must share strides and be contiguous along D")
+    start = start.contiguous()
     if not runtime.require_triton("cache.store_kv", k_cache=k_cache, v_cache=v_cache, k_new=k_new,
                                   v_new=v_new, start=start):
         return store_kv_ref(k_cache, v_cache, k_new, v_new, start)
@@ -346,6 +434,30 @@ def store_kv(k_cache, v_cache, k_new, v_new, start):
 # --------------------------------------------------------------------------------------------
 
 
+def check_attend_args(layer_idx, q, k, v, *, n_layers, batch, n_kv_heads, head_dim, kv_dtype, batch_is):
+    """The checks every cache's ``attend`` makes before writing anything: a valid ``layer_idx`` and
+    q (B, H, T, D), k/v (B, H_KV, T, D) that match the cache (``batch_is`` says where B comes from)."""
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n_layers:
+        raise ValueError(f"layer_idx must be an int in 0..{n_layers - 1} (the cache has {n_layers} layers), "
+                         f"got {layer_idx!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (B, heads, T, D), got {getattr(t, 'shape', type(t).__name__)}")
+    B, H_KV, D = batch, n_kv_heads, head_dim
+    Bq, H, T, Dq = q.shape
+    if Bq != B:
+        raise ValueError(f"q has batch {Bq}, but {batch_is}")
+    if T < 1 or Dq != D or H % H_KV:
+        raise ValueError(f"q must be (B={B}, H, T >= 1, D={D}) with H a multiple of the cache's H_KV={H_KV}, "
+                         f"got {tuple(q.shape)}")
+    want = (B, H_KV, T, D)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise ValueError(f"k and v must be (B, H_KV, T, D) = {want} for this cache, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if kv_dtype is not None and not (k.dtype == v.dtype == kv_dtype):
+        raise TypeError(f"k and v must be {kv_dtype} like the cache, got {k.dtype} and {v.dtype}")
+
+
 class KVCache:
     """Preallocated K/V buffers for every layer: (B, H_KV, S_max, D) each, plus per-sequence lengths.
 
@@ -353,11 +465,23 @@ class KVCache:
     tokens' q, k, v; the cache stores k, v after each sequence's current length and attends over
     everything stored. After the last layer the lengths advance by T. One call gives every sequence
     the same number T of new tokens; prompts of different lengths are prefilled one sequence at a
-    time through ``cache.sequence(b)``, a view that shares this cache's memory.
+    time through ``cache.sequence(b)``, a view that shares this cache's memory. ``reset()`` empties
+    it (``generate`` does that first when it is given a cache).
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = KVCache.for_model(model, batch=1, max_len=8)
+    >>> with torch.no_grad():
+    ...     logits = model(torch.tensor([[1, 2, 3]]), cache=cache)  # prefill: 3 positions stored
+    ...     logits = model(torch.tensor([[4]]), positions=cache.next_positions(), cache=cache)  # one decode step
+    >>> cache.seq_lens.tolist(), tuple(cache.k[0].shape)  # (B, H_KV, S_max, D)
+    ([4], (1, 2, 8, 16))
     """
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu",
                  kernels=None):
+        n_layers, batch, max_len = check_int("n_layers", n_layers), check_int("batch", batch), check_int("max_len", max_len)
+        n_kv_heads, head_dim = check_int("n_kv_heads", n_kv_heads), check_int("head_dim", head_dim)
         self.kernels = pick_kernels(kernels, device)  # "triton": store_kv/decode_attention/flash_attention; "torch": their _refs
         shape = (batch, n_kv_heads, max_len, head_dim)  # (B, H_KV, S_max, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -372,6 +496,9 @@ class KVCache:
 
     def sequence(self, b: int) -> "KVCache":
         """A view of sequence b alone (batch 1) sharing this cache's buffers and lengths."""
+        B = self.seq_lens.shape[0]
+        if check_int("b", b, minimum=0) >= B:
+            raise ValueError(f"b must be a sequence index in 0..{B - 1}, got {b}")
         view = object.__new__(type(self))
         for name, value in vars(self).items():  # basic slicing gives views: writes land in our buffers
             if isinstance(value, list):  # per-layer buffers (B, ...)
@@ -384,7 +511,20 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
-    # The three calls kvlib.generate.generate makes on any cache:
+    # The four calls kvlib.generate.generate makes on any cache:
+    def reset(self, batch: int | None = None, length: int | None = None):
+        """Empty the cache (every length back to 0; the buffers are kept and overwritten later).
+
+        With ``batch`` / ``length``, first check that ``batch`` sequences of up to ``length``
+        positions fit; if not, raise (ValueError / CacheFullError) and change nothing.
+        """
+        B = self.seq_lens.shape[0]
+        if batch is not None and batch != B:
+            raise ValueError(f"the cache holds batch={B} sequence(s), got {batch} prompt(s): build it with batch={batch}")
+        if length is not None and length > self.max_len:
+            raise CacheFullError(f"the cache holds {self.max_len} positions per sequence; this call needs {length}")
+        self.seq_lens.zero_()
+
     def prefill_view(self, b: int, prompt):
         """(the seam object for prefilling sequence b, how many prompt positions are cached already)."""
         return self.sequence(b), 0
@@ -413,8 +553,15 @@ class KVCache:
         if layer_idx == len(self.k) - 1:  # after the last layer these T tokens are part of the past
             self.seq_lens += T
 
+    def _check_attend(self, layer_idx, q, k, v, kv_dtype):
+        """Raise a clear error unless layer_idx and q, k, v fit this cache (kv_dtype: k/v's required dtype)."""
+        B, H_KV, _, D = self.k[0].shape
+        check_attend_args(layer_idx, q, k, v, n_layers=len(self.k), batch=B, n_kv_heads=H_KV, head_dim=D,
+                          kv_dtype=kv_dtype, batch_is=f"the cache holds B={B} sequence(s)")
+
     def attend(self, layer_idx, q, k, v):
         """q (B, H, T, D), k/v (B, H_KV, T, D) for the new tokens -> attention output (B, H, T, D)."""
+        self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
         T, start = q.shape[2], self.seq_lens
         L = self._make_room(T)
         triton_kernels = self.kernels == "triton"

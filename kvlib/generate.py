@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .cache import check_int
+
 __all__ = ["generate_naive", "generate", "pad_prompts", "sample_next"]
 
 
@@ -24,9 +26,31 @@ def prompt_lists(ids) -> list[list[int]]:
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be a (B, T) integer tensor, got {tuple(ids.shape)} {ids.dtype}")
         ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") \
+            or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__") for p in ids):
+        raise TypeError(f"ids must be a (B, T) tensor or a list of token-id lists (e.g. [[1, 2, 3]]), got {ids!r:.60}")
     if not ids or any(len(p) == 0 for p in ids):
         raise ValueError("ids must hold at least one prompt, each with at least one token")
-    return [list(map(int, p)) for p in ids]
+    try:
+        return [[check_int("token id", t, minimum=0) for t in p] for p in ids]
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"ids: {e}") from None
+
+
+def _check_generate_args(model, ids, max_new_tokens, temperature, top_k) -> list[list[int]]:
+    """The validated prompts; refuses what would fail deep inside the model or run past its context."""
+    _check_sampling(temperature, top_k)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
+    prompts = prompt_lists(ids)
+    V, context = model.config.vocab_size, model.config.max_seq_len
+    for b, p in enumerate(prompts):
+        if max(p) >= V:
+            raise ValueError(f"ids: prompt {b} holds token {max(p)}, outside the model's vocabulary 0..{V - 1}")
+        if len(p) + max_new_tokens > context:
+            raise ValueError(f"prompt {b} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) = "
+                             f"{len(p) + max_new_tokens} tokens exceeds the model's context of {context} "
+                             "(config.max_seq_len)")
+    return prompts
 
 
 def pad_prompts(prompts, pad_id: int = 0, device=None):
@@ -35,6 +59,10 @@ def pad_prompts(prompts, pad_id: int = 0, device=None):
     prompts: a (B, T) LongTensor, or a list of B token-id lists (lengths may differ).
     Returns ids (B, T_max), attention_mask (B, T_max) with 1 for real tokens, positions (B, T_max)
     counting real tokens only (0 for the first real token of each prompt).
+
+    >>> ids, mask, positions = pad_prompts([[7, 8, 9], [5]])
+    >>> ids.tolist(), mask.tolist(), positions.tolist()
+    ([[7, 8, 9], [0, 0, 5]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
     """
     prompts = prompt_lists(prompts)
     T = max(len(p) for p in prompts)
@@ -49,7 +77,14 @@ def pad_prompts(prompts, pad_id: int = 0, device=None):
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row of ``logits`` (B, V) -> (B,). Greedy when temperature == 0."""
+    """Next token per row of ``logits`` (B, V) -> (B,). Greedy when temperature == 0.
+
+    >>> logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    >>> sample_next(logits).tolist()  # greedy: the argmax of each row
+    [1, 0]
+    >>> sample_next(logits, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0)).tolist()
+    [1, 0]
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -77,10 +112,18 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
     temperature 0 (default) is greedy; otherwise seeded sampling (``seed``), optionally top-k.
     A sequence that emits ``eos_id`` is finished: it gets ``eos_id`` from then on, and the loop stops
     when all are finished. Returns the new tokens only, (B, N) with N <= max_new_tokens.
+    Every prompt's length + max_new_tokens must fit the model's context (``config.max_seq_len``).
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> with torch.random.fork_rng():  # seeded weights, without touching the global generator
+    ...     _ = torch.manual_seed(0)
+    ...     model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, hidden_dim=64)).eval()
+    >>> generate_naive(model, [[1, 2, 3], [4]], 5).shape  # two prompts of different lengths, 5 new tokens each
+    torch.Size([2, 5])
     """
-    _check_sampling(temperature, top_k)
+    prompts = _check_generate_args(model, ids, max_new_tokens, temperature, top_k)
     device = model.device
-    seq, mask, positions = pad_prompts(ids, pad_id=0, device=device)
+    seq, mask, positions = pad_prompts(prompts, pad_id=0, device=device)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     done = torch.zeros(seq.shape[0], dtype=torch.bool, device=device)
     new_tokens = []
@@ -114,6 +157,10 @@ def make_cache(kind, model, batch: int, max_len: int, kernels=None, block_size: 
     chapter 06's Int8KVCache (quantize on store, per token and head).
     """
     if not isinstance(kind, str):
+        needs = ("reset", "prefill_view", "decode_view", "next_positions")
+        if not all(hasattr(kind, n) for n in needs):
+            raise TypeError(f"cache must be 'contiguous', 'paged', 'int8' or a cache object with {', '.join(needs)}, "
+                            f"got {type(kind).__name__}")
         return kind
     if kind == "contiguous":
         from .cache import KVCache
@@ -137,15 +184,45 @@ def generate(model, ids, max_new_tokens: int, *, cache="contiguous", temperature
              max_len: int | None = None, kernels: str | None = None, progress: bool = False) -> torch.Tensor:
     """Generate with a KV cache: prefill each prompt once, then feed one token per step.
 
-    Same arguments and same tokens as ``generate_naive``. ``cache`` names the cache ("contiguous")
-    or is a cache object; ``max_len`` is its capacity per sequence (default: longest prompt +
-    max_new_tokens). Running past the capacity raises ``CacheFullError``; nothing is overwritten.
+    Same arguments and same tokens as ``generate_naive``. ``cache`` names the cache ("contiguous",
+    "paged", "int8") or is a cache object; ``max_len`` is its capacity per sequence (default: longest
+    prompt + max_new_tokens). A cache object you pass is *reset* first (emptied: its earlier
+    contents are dropped, never attended to), must hold one sequence per prompt, and keeps this
+    call's K/V afterwards. A capacity too small is refused up front (``CacheFullError``); a call
+    that fails midway (e.g. a paged pool that runs out of blocks) leaves the cache empty.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> from kvlib.cache import KVCache
+    >>> with torch.random.fork_rng():  # seeded weights, without touching the global generator
+    ...     _ = torch.manual_seed(0)
+    ...     model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, hidden_dim=64)).eval()
+    >>> prompts = [[1, 2, 3], [4]]
+    >>> torch.equal(generate(model, prompts, 5), generate_naive(model, prompts, 5))  # token-identical
+    True
+    >>> cache = KVCache.for_model(model, batch=2, max_len=16)
+    >>> a = generate(model, prompts, 5, cache=cache)
+    >>> b = generate(model, prompts, 5, cache=cache)  # reset first, so the same answer again
+    >>> torch.equal(a, b), cache.seq_lens.tolist()  # prompt + 4 fed-back tokens per sequence
+    (True, [7, 5])
     """
-    _check_sampling(temperature, top_k)
-    prompts = prompt_lists(ids)
+    prompts = _check_generate_args(model, ids, max_new_tokens, temperature, top_k)
     device = model.device
-    B = len(prompts)
-    kv = make_cache(cache, model, B, max_len or max(len(p) for p in prompts) + max_new_tokens, kernels)
+    B, longest = len(prompts), max(len(p) for p in prompts)
+    if max_len is not None:
+        max_len = check_int("max_len", max_len)
+    kv = make_cache(cache, model, B, max_len or longest + max_new_tokens, kernels)
+    if max_new_tokens == 0:
+        return torch.empty(B, 0, dtype=torch.long, device=device)
+    kv.reset(B, longest + max_new_tokens - 1)  # checks the fit first; the last new token is never stored
+    try:
+        return _generate_cached(model, prompts, max_new_tokens, kv, temperature, top_k, seed, eos_id, progress)
+    except BaseException:
+        kv.reset()  # a failed call leaves no half-filled cache behind (no sequence stays registered)
+        raise
+
+
+def _generate_cached(model, prompts, max_new_tokens, kv, temperature, top_k, seed, eos_id, progress):
+    device, B = model.device, len(prompts)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
     # prefill: each prompt once, through a batch-1 view of the cache (prompts may differ in length);

@@ -23,16 +23,24 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
-from ._triton import tl, triton
+from ._triton import check_kernel_dtype, tl, triton
+from .attention import dot_on_tensor_cores
 from .cache import _check_cache_args, check_num_splits, choose_splits, decode_attention_ref, merge_splits
 
 __all__ = ["repeat_kv", "grouped_decode_attention", "grouped_decode_attention_ref", "mha_to_gqa", "finetune"]
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, H_KV, S, D) -> (B, H_KV * n_rep, S, D); K/V head j serves heads j*n_rep .. j*n_rep+n_rep-1."""
-    if not isinstance(n_rep, int) or n_rep < 1:
+    """(B, H_KV, S, D) -> (B, H_KV * n_rep, S, D); K/V head j serves heads j*n_rep .. j*n_rep+n_rep-1.
+
+    >>> x = torch.tensor([10.0, 20.0]).view(1, 2, 1, 1)  # H_KV = 2 heads
+    >>> repeat_kv(x, 3).flatten().tolist()  # 6 query heads: 3 per K/V head
+    [10.0, 10.0, 10.0, 20.0, 20.0, 20.0]
+    """
+    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
         raise ValueError(f"n_rep must be an int >= 1, got {n_rep!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"x must be (B, H_KV, S, D), got shape {tuple(x.shape)}")
     if n_rep == 1:
@@ -42,7 +50,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def grouped_decode_attention_ref(q, k_cache, v_cache, seq_lens):
-    """The same result as chapter 03's reference (grouping changes the work, not the answer)."""
+    """The same result as chapter 03's reference (grouping changes the work, not the answer).
+
+    >>> q, k = torch.ones(1, 4, 8), torch.ones(1, 2, 5, 8)  # H = 4 query heads, H_KV = 2
+    >>> grouped_decode_attention_ref(q, k, k, torch.tensor([5])).shape
+    torch.Size([1, 4, 8])
+    """
     return decode_attention_ref(q, k_cache, v_cache, seq_lens)
 
 
@@ -103,13 +116,30 @@ def _grouped_decode_kernel(
     tl.store(lse_ptr + rows, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=g_ok)
 
 
-def _grouped_tiles(D: int, interpreter: bool) -> int:
-    return 32 if interpreter else max(16, 4096 // max(16, triton.next_power_of_2(D)))
+def _grouped_tiles(D: int, interpreter: bool, tensor_cores: bool = True) -> int:
+    """TILE_N: 4096 elements per K (or V) tile; half that on FMA units (fp32, or a T4), where 32 x 128 needs
+    255 registers and spills on sm_75 (kvlib.compile_check checks both)."""
+    elements = 4096 if tensor_cores else 2048
+    return 32 if interpreter else max(16, elements // max(16, triton.next_power_of_2(D)))
 
 
 def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
-    """Decode attention with one program per (sequence, K/V head) serving its whole query group."""
+    """Decode attention with one program per (sequence, K/V head) serving its whole query group.
+
+    q (B, H, D); caches (B, H_KV, S_max, D), fp32 or fp16 (bf16 only on a GPU of compute capability
+    >= 8.0: the interpreter computes its tl.dot wrongly); seq_lens (B,).
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(2, 8, 16, generator=g).to(DEVICE)  # H = 8
+    >>> k, v = (torch.randn(2, 2, 8, 16, generator=g).to(DEVICE) for _ in range(2))  # H_KV = 2: groups of 4
+    >>> lens = torch.tensor([8, 5], device=DEVICE)
+    >>> out = grouped_decode_attention(q, k, v, lens)
+    >>> torch.allclose(out, grouped_decode_attention_ref(q, k, v, lens), atol=1e-5)
+    True
+    """
     longest = _check_cache_args(q, k_cache, v_cache, seq_lens)
+    check_kernel_dtype("gqa.grouped_decode_attention", "q", q, dot=True)
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("gqa.grouped_decode_attention", q=q, k_cache=k_cache,
@@ -121,6 +151,7 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     if num_splits is None:
         num_splits = choose_splits(B * H_KV, longest)
     check_num_splits(num_splits)
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] with a unit stride
     TILE_D = max(16, triton.next_power_of_2(D))
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
@@ -128,8 +159,8 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
         q, k_cache, v_cache, part, lse, seq_lens, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), H_KV, D, n_rep, triton.cdiv(S_max, num_splits), (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        SPLITS=num_splits, GROUP=max(16, triton.next_power_of_2(n_rep)), TILE_N=_grouped_tiles(D, runtime.INTERPRETER),
-        TILE_D=TILE_D,
+        SPLITS=num_splits, GROUP=max(16, triton.next_power_of_2(n_rep)),
+        TILE_N=_grouped_tiles(D, runtime.INTERPRETER, dot_on_tensor_cores(q.dtype, q.device)), TILE_D=TILE_D,
     )
     return merge_splits(q, part, lse)
 
@@ -142,7 +173,14 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
 @torch.no_grad()
 def mha_to_gqa(model, n_kv_heads: int):
     """A copy of ``model`` with ``n_kv_heads`` K/V heads: each group's K and V projection heads are
-    averaged (mean-pooling, as in the GQA paper). Query and output projections are unchanged."""
+    averaged (mean-pooling, as in the GQA paper). Query and output projections are unchanged.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> mha = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=4, hidden_dim=64)).eval()
+    >>> gqa = mha_to_gqa(mha, 2)
+    >>> gqa.config.n_kv_heads, tuple(gqa.layers[0].attn.wk.weight.shape)  # (H_KV * D, C)
+    (2, (16, 32))
+    """
     cfg = model.config
     if not isinstance(n_kv_heads, int) or n_kv_heads < 1 or cfg.n_heads % n_kv_heads:
         raise ValueError(f"n_kv_heads must be a positive divisor of n_heads={cfg.n_heads}, got {n_kv_heads!r}")
@@ -189,7 +227,8 @@ def finetune(model, train_ids: torch.Tensor, steps: int = 60, batch: int = 8, se
     return losses
 
 
-# How tests/test_compile.py builds the grouped kernel (32 query / 8 K/V heads, D = 128, fp16).
+# How tests/test_compile.py builds the grouped kernel (32 query / 8 K/V heads, D = 128, fp16): the default
+# tiles for sm_80/sm_90 and the FMA tiles for a T4 (sm_75).
 COMPILE_SPECS = [
     dict(kernel=_grouped_decode_kernel,
          signature={"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
@@ -198,6 +237,7 @@ COMPILE_SPECS = [
                         "stride_vs", "H_KV", "D", "n_rep", "split_len")},
                     "qk_scale": "fp32", "SPLITS": "constexpr", "GROUP": "constexpr", "TILE_N": "constexpr",
                     "TILE_D": "constexpr"},
-         constexprs=dict(SPLITS=splits, GROUP=16, TILE_N=_grouped_tiles(128, False), TILE_D=128))
-    for splits in (1, 8)
+         archs=archs, constexprs=dict(SPLITS=splits, GROUP=16, TILE_N=_grouped_tiles(128, False, archs != (75,)),
+                                      TILE_D=128))
+    for archs in ((80, 90), (75,)) for splits in (1, 8)
 ]

@@ -239,9 +239,24 @@ class Transformer(nn.Module):
         attention_mask: (B, T) with 1 for real tokens and 0 for padding (left padding in a batch
             of prompts of different lengths). Only used without a cache; the cache tracks lengths.
         cache: None, or an object with ``attend(layer_idx, q, k, v)`` (see module docstring).
+
+        >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, hidden_dim=64))
+        >>> model(torch.tensor([[1, 2, 3]])).shape  # (B, T, V)
+        torch.Size([1, 3, 16])
+        >>> model(torch.tensor([[1, 16]]))
+        Traceback (most recent call last):
+        ...
+        ValueError: ids must lie in the vocabulary 0..15, got values in 1..16
         """
-        if ids.dim() != 2:
-            raise ValueError(f"ids must be (B, T) token ids, got shape {tuple(ids.shape)}")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError(f"ids must be a (B, T) tensor of token ids, got {getattr(ids, 'shape', type(ids).__name__)}")
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"ids must be an integer tensor of token ids, got {ids.dtype}")
+        if ids.numel():
+            lo, hi = torch.stack([ids.min(), ids.max()]).tolist()  # one host read
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"ids must lie in the vocabulary 0..{self.config.vocab_size - 1}, "
+                                 f"got values in {lo}..{hi}")
         B, T = ids.shape
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
@@ -288,13 +303,32 @@ def _hf_to_ours(i: int | None = None) -> dict[str, str]:
 
 
 def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
-    """Translate a Hugging Face Llama/Mistral config.json dict into a ModelConfig."""
-    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and cfg.get("model_type") not in ("llama", "mistral"):
-        raise CheckpointError(
-            f"{source}: architecture {archs} is not a Llama-family model; "
-            f"load_hf supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    """Translate a Hugging Face Llama/Mistral config.json dict into a ModelConfig.
+
+    ``architectures`` (when present) must name a supported class, and ``model_type`` (when present)
+    must be "llama" or "mistral": a config that contradicts itself is refused.
+
+    >>> cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=16, hidden_size=32,
+    ...            num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    >>> config_from_hf(cfg).head_dim
+    16
+    >>> config_from_hf({**cfg, "architectures": ["FalconForCausalLM"]})
+    Traceback (most recent call last):
+    ...
+    kvlib.model.CheckpointError: config.json: architectures ['FalconForCausalLM'] is not a Llama-family model; ...
+    """
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: expected a JSON object of config keys, got {type(cfg).__name__}")
+    archs, model_type = cfg.get("architectures"), cfg.get("model_type")
+    if archs is not None and (not isinstance(archs, list) or not any(a in SUPPORTED_ARCHITECTURES for a in archs)):
+        raise CheckpointError(f"{source}: architectures {archs!r} is not a Llama-family model; "
+                              f"load_hf supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if model_type is not None and model_type not in ("llama", "mistral"):
+        raise CheckpointError(f"{source}: model_type {model_type!r} is not a Llama-family model; "
+                              "load_hf supports model_type 'llama' and 'mistral'")
+    if archs is None and model_type is None:
+        raise CheckpointError(f"{source}: neither 'architectures' nor 'model_type' is set, so it cannot be told "
+                              "apart from a non-Llama model")
     if cfg.get("sliding_window") not in (None, 0) and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
         raise CheckpointError(f"{source}: sliding_window={cfg['sliding_window']} attention is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -350,15 +384,24 @@ def _resolve(path: str | Path) -> Path:
         return p
     if p.exists():
         raise CheckpointError(f"{p}: expected a folder holding config.json and *.safetensors, got a file")
-    looks_like_hub_id = isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    # "owner/name" may be a hub id, unless its first part is a local folder (then it is a missing path)
+    looks_like_hub_id = (isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/", "~"))
+                         and not path.endswith("/") and not p.parent.exists())
     if looks_like_hub_id:
         try:
             from huggingface_hub import snapshot_download
         except ImportError:
             raise CheckpointError(
-                f"{path!r} is not a local folder, and huggingface_hub is not installed to download it"
+                f"{path!r} is not a local folder ({p.resolve()} does not exist), and huggingface_hub is not "
+                "installed to download it as a hub id"
             ) from None
-        return Path(snapshot_download(path, allow_patterns=["config.json", "*.safetensors", "*.json"]))
+        try:
+            return Path(snapshot_download(path, allow_patterns=["config.json", "*.safetensors", "*.json"]))
+        except Exception as e:  # no network, no such repository, a gated model...
+            raise CheckpointError(
+                f"{path!r} is not a local folder ({p.resolve()} does not exist), and downloading it from the "
+                f"Hugging Face hub failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
     raise CheckpointError(f"{p}: no such folder")
 
 
@@ -367,7 +410,16 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
 
     ``path`` is a local folder with ``config.json`` and one or several ``*.safetensors`` files
     (sharded checkpoints work). A hub id such as ``"HuggingFaceTB/SmolLM2-135M"`` is downloaded
-    first when ``huggingface_hub`` is installed and the network allows it.
+    first when ``huggingface_hub`` is installed and the network allows it. Every failure is a
+    ``CheckpointError`` naming the path, file or tensor.
+
+    >>> import tempfile
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, hidden_dim=64))
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     _ = save_hf(model, folder)
+    ...     loaded = load_hf(folder)
+    >>> torch.equal(loaded.lm_head.weight, model.lm_head.weight), loaded.config.n_layers
+    (True, 1)
     """
     from safetensors import safe_open
 
@@ -375,7 +427,11 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{folder}: config.json is missing (expected a Hugging Face model folder)")
-    config = config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    config = config_from_hf(cfg, str(cfg_file))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         found = sorted(f.name for f in folder.iterdir())
@@ -392,14 +448,21 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
 
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        try:
+            st_file = safe_open(str(f), framework="pt")
+        except Exception as e:  # a truncated or corrupt file: safetensors' own error does not name it
+            raise CheckpointError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        with st_file as st:
             for hf_name in st.keys():
                 ours = names.get(hf_name)
                 if ours is None or ours not in expected:
                     if hf_name.endswith("rotary_emb.inv_freq"):
                         continue  # some old checkpoints store the RoPE table; we recompute it
                     raise CheckpointError(f"{f.name}: unexpected tensor {hf_name!r} for this config")
-                t = st.get_tensor(hf_name)
+                try:
+                    t = st.get_tensor(hf_name)
+                except Exception as e:  # data cut short or damaged after a valid header
+                    raise CheckpointError(f"{f}: tensor {hf_name!r} cannot be read ({type(e).__name__}: {e})") from None
                 want = tuple(expected[ours].shape)
                 if tuple(t.shape) != want:
                     raise CheckpointError(

@@ -26,9 +26,9 @@ import math
 import torch
 
 from . import runtime
-from ._triton import tl, triton
+from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
-from .cache import launch_decode, pick_kernels
+from .cache import check_attend_args, check_int, launch_decode, pick_kernels
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_decode_attention",
            "paged_decode_attention_ref", "store_paged", "store_paged_ref"]
@@ -44,10 +44,22 @@ class BlockAllocator:
     ``allocate(n)`` hands out n free blocks (count 1 each) or raises ``OutOfBlocksError`` leaving
     the pool exactly as it was; ``share(block)`` adds a reference (a fork); ``free(block)`` drops one
     and returns the block to the pool when none are left.
+
+    >>> a = BlockAllocator(4)
+    >>> a.allocate(3)
+    [0, 1, 2]
+    >>> a.share(0); a.refcount
+    [2, 1, 1, 0]
+    >>> a.allocate(2)
+    Traceback (most recent call last):
+    ...
+    kvlib.paged.OutOfBlocksError: asked for 2 block(s) but only 1 of 4 are free
+    >>> a.free(1), a.num_free
+    (True, 2)
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
@@ -58,6 +70,8 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, n: int = 1) -> list[int]:
+        """n free block ids (reference count 1 each); n = 0 gives []."""
+        n = check_int("n", n, minimum=0)
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} block(s) but only {len(self._free)} of {self.num_blocks} are free")
         blocks = [self._free.pop() for _ in range(n)]
@@ -66,7 +80,7 @@ class BlockAllocator:
         return blocks
 
     def _check(self, block: int):
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
             raise ValueError(f"unknown block {block!r}: ids are 0..{self.num_blocks - 1}")
         if self.refcount[block] == 0:
             raise ValueError(f"block {block} is free: it cannot be shared or freed")
@@ -91,12 +105,18 @@ class BlockAllocator:
 
 
 def _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens):
-    if not all(isinstance(t, torch.Tensor) for t in (q, k_blocks, v_blocks, block_tables, seq_lens)):
-        raise TypeError("q, k_blocks, v_blocks, block_tables and seq_lens must be torch tensors")
+    for name, t in (("q", q), ("k_blocks", k_blocks), ("v_blocks", v_blocks), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H, D), got shape {tuple(q.shape)}")
-    if k_blocks.dim() != 4 or v_blocks.shape != k_blocks.shape:
-        raise ValueError(f"k_blocks and v_blocks must both be (num_blocks, block_size, H_KV, D), got "
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    if q.numel() == 0:
+        raise ValueError(f"q must hold at least one sequence, head and dim (B, H, D >= 1), got shape {tuple(q.shape)}")
+    if k_blocks.dim() != 4 or v_blocks.shape != k_blocks.shape or k_blocks.numel() == 0:
+        raise ValueError(f"k_blocks and v_blocks must both be non-empty (num_blocks, block_size, H_KV, D), got "
                          f"{tuple(k_blocks.shape)} and {tuple(v_blocks.shape)}")
     B, H, D = q.shape
     num_blocks, block_size, H_KV, Dk = k_blocks.shape
@@ -129,7 +149,15 @@ def _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens):
 
 
 def paged_decode_attention_ref(q, k_blocks, v_blocks, block_tables, seq_lens):
-    """Gather each sequence's K/V through its block table, then attend (fp32)."""
+    """Gather each sequence's K/V through its block table, then attend (fp32).
+
+    >>> k_blocks = torch.zeros(3, 2, 1, 4)  # (num_blocks, block_size, H_KV, D): equal scores everywhere
+    >>> v_blocks = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 2, 1, 4)  # block i holds the value i
+    >>> tables = torch.tensor([[2, 0]], dtype=torch.int32)  # logical block 0 -> block 2, block 1 -> block 0
+    >>> out = paged_decode_attention_ref(torch.zeros(1, 1, 4), k_blocks, v_blocks, tables, torch.tensor([3]))
+    >>> round(out[0, 0, 0].item(), 4)  # the mean over positions 0, 1 (value 2) and 2 (value 0)
+    1.3333
+    """
     _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens)
     B, H, D = q.shape
     block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
@@ -148,8 +176,22 @@ def paged_decode_attention_ref(q, k_blocks, v_blocks, block_tables, seq_lens):
 
 
 def paged_decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, num_splits=None):
-    """Decode attention reading K/V through block tables; same result as the reference."""
+    """Decode attention reading K/V through block tables; same result as the reference.
+
+    q, k_blocks, v_blocks: fp32, fp16 or bf16 (bf16 needs a GPU of compute capability >= 8.0).
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(2, 2, 8, generator=g).to(DEVICE)  # (B, H, D)
+    >>> k, v = (torch.randn(4, 4, 1, 8, generator=g).to(DEVICE) for _ in range(2))  # 4 blocks of 4 positions
+    >>> tables = torch.tensor([[3, 0], [1, -1]], dtype=torch.int32, device=DEVICE)  # -1: unused
+    >>> lens = torch.tensor([6, 2], device=DEVICE)
+    >>> out = paged_decode_attention(q, k, v, tables, lens)
+    >>> torch.allclose(out, paged_decode_attention_ref(q, k, v, tables, lens), atol=1e-5)
+    True
+    """
     longest = _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens)
+    check_kernel_dtype("paged.paged_decode_attention", "q", q)
     if k_blocks.stride(3) != 1 or v_blocks.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("q, k_blocks and v_blocks must be contiguous along the head dim D (stride 1)")
     if not runtime.require_triton("paged.paged_decode_attention", q=q, k_blocks=k_blocks,
@@ -168,8 +210,41 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, num_sp
 # --------------------------------------------------------------------------------------------
 
 
+def _check_store_paged_args(k_blocks, v_blocks, k_new, v_new, slots):
+    for name, t in (("k_blocks", k_blocks), ("v_blocks", v_blocks), ("k_new", k_new), ("v_new", v_new),
+                    ("slots", slots)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if k_blocks.dim() != 4 or v_blocks.shape != k_blocks.shape or k_blocks.numel() == 0:
+        raise ValueError(f"k_blocks and v_blocks must both be non-empty (num_blocks, block_size, H_KV, D), got "
+                         f"{tuple(k_blocks.shape)} and {tuple(v_blocks.shape)}")
+    num_blocks, bs, H_KV, D = k_blocks.shape
+    if k_new.shape != v_new.shape or k_new.dim() != 3 or k_new.shape[1:] != (H_KV, D) or k_new.shape[0] < 1:
+        raise ValueError(f"k_new/v_new must be (N >= 1, H_KV={H_KV}, D={D}), got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    if not k_new.is_floating_point():
+        raise TypeError(f"k_new must be a floating-point tensor, got {k_new.dtype}")
+    if not (k_new.dtype == v_new.dtype == k_blocks.dtype == v_blocks.dtype):
+        raise TypeError(f"k_new, v_new must have the pools' dtype {k_blocks.dtype}, got {k_new.dtype}, {v_new.dtype} "
+                        f"(pools {k_blocks.dtype}, {v_blocks.dtype})")
+    if slots.shape != (k_new.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be a (N={k_new.shape[0]},) int tensor, got {tuple(slots.shape)} {slots.dtype}")
+    if len({t.device for t in (k_blocks, v_blocks, k_new, v_new, slots)}) != 1:
+        raise ValueError("k_blocks, v_blocks, k_new, v_new and slots must be on one device")
+    lo, hi = torch.stack([slots.min(), slots.max()]).tolist()  # one host read
+    if lo < 0 or hi >= num_blocks * bs:
+        raise ValueError(f"slots must lie in 0..{num_blocks * bs - 1} (num_blocks * block_size - 1), got {lo}..{hi}")
+
+
 def store_paged_ref(k_blocks, v_blocks, k_new, v_new, slots):
-    """k_new/v_new (N, H_KV, D) -> pool rows ``slots`` (N,) where slot = block * block_size + offset."""
+    """k_new/v_new (N, H_KV, D) -> pool rows ``slots`` (N,) where slot = block * block_size + offset.
+
+    >>> k_blocks, v_blocks = torch.zeros(2, 2, 1, 1), torch.zeros(2, 2, 1, 1)  # 2 blocks of 2 slots
+    >>> new = torch.tensor([5.0, 7.0]).view(2, 1, 1)
+    >>> store_paged_ref(k_blocks, v_blocks, new, new, torch.tensor([3, 0]))  # slot 3 = block 1, offset 1
+    >>> k_blocks.flatten().tolist()
+    [7.0, 0.0, 0.0, 5.0]
+    """
+    _check_store_paged_args(k_blocks, v_blocks, k_new, v_new, slots)
     bs = k_blocks.shape[1]
     k_blocks[slots // bs, slots % bs] = k_new
     v_blocks[slots // bs, slots % bs] = v_new
@@ -193,17 +268,21 @@ def _store_paged_kernel(
 
 
 def store_paged(k_blocks, v_blocks, k_new, v_new, slots):
-    """Write N new K/V rows (N, H_KV, D) into the pools at ``slots`` (Triton kernel)."""
+    """Write N new K/V rows (N, H_KV, D) into the pools at ``slots`` (Triton kernel).
+
+    >>> from kvlib.runtime import DEVICE
+    >>> k_blocks, v_blocks = torch.zeros(2, 2, 1, 1, device=DEVICE), torch.zeros(2, 2, 1, 1, device=DEVICE)
+    >>> new = torch.tensor([5.0, 7.0], device=DEVICE).view(2, 1, 1)
+    >>> store_paged(k_blocks, v_blocks, new, new, torch.tensor([3, 0], device=DEVICE))
+    >>> k_blocks.flatten().tolist()
+    [7.0, 0.0, 0.0, 5.0]
+    """
+    _check_store_paged_args(k_blocks, v_blocks, k_new, v_new, slots)
     num_blocks, bs, H_KV, D = k_blocks.shape
-    if k_new.shape != v_new.shape or k_new.dim() != 3 or k_new.shape[1:] != (H_KV, D):
-        raise ValueError(f"k_new/v_new must be (N, H_KV={H_KV}, D={D}), got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
-    if slots.shape != (k_new.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots must be a (N={k_new.shape[0]},) int tensor, got {tuple(slots.shape)} {slots.dtype}")
-    lo, hi = torch.stack([slots.min(), slots.max()]).tolist() if len(slots) else (0, 0)  # one host read
-    if lo < 0 or hi >= num_blocks * bs:
-        raise ValueError(f"slots must lie in 0..{num_blocks * bs - 1}")
+    check_kernel_dtype("paged.store_paged", "k_new", k_new)
     if not (k_blocks.is_contiguous() and v_blocks.is_contiguous()):
         raise ValueError("k_blocks and v_blocks must be contiguous")
+    slots = slots.contiguous()
     if not runtime.require_triton("paged.store_paged", k_blocks=k_blocks, v_blocks=v_blocks, k_new=k_new,
                                   v_new=v_new, slots=slots):
         return store_paged_ref(k_blocks, v_blocks, k_new, v_new, slots)
@@ -223,10 +302,26 @@ class PagedKVCache:
 
     Sequences are named by any hashable id. Use with the model's seam through ``batch(seq_ids)``:
     a view whose ``attend`` writes the new tokens of those sequences (in that order) and attends.
+    A call that fails (an unknown id, a pool too small) raises and changes nothing.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = PagedKVCache.for_model(model, num_blocks=4, block_size=2)
+    >>> cache.add_sequence("a")
+    0
+    >>> with torch.no_grad():
+    ...     logits = model(torch.tensor([[1, 2, 3]]), cache=cache.batch(["a"]))  # 3 positions: 2 blocks
+    >>> cache.tables["a"], cache.lens["a"], cache.allocator.num_free
+    ([0, 1], 3, 2)
+    >>> cache.free_sequence("a"); cache.allocator.num_free
+    4
     """
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu", kernels=None, prefix_caching=True):
+        n_layers, num_blocks = check_int("n_layers", n_layers), check_int("num_blocks", num_blocks)
+        block_size, n_kv_heads = check_int("block_size", block_size), check_int("n_kv_heads", n_kv_heads)
+        head_dim = check_int("head_dim", head_dim)
         self.kernels, self.block_size, self.device = pick_kernels(kernels, device), block_size, device
         shape = (num_blocks, block_size, n_kv_heads, head_dim)  # (num_blocks, block_size, H_KV, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -245,6 +340,28 @@ class PagedKVCache:
         return cls(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, model.dtype, model.device, **kw)
 
     # ---- sequences ----------------------------------------------------------------------
+
+    def _known(self, seq_id, what: str):
+        """seq_id, or a ValueError when no such sequence is registered (never added, or freed)."""
+        try:
+            known = seq_id in self.tables
+        except TypeError:  # unhashable
+            known = False
+        if not known:
+            live = sorted(map(repr, self.tables))
+            raise ValueError(f"{what}: unknown sequence {seq_id!r} (never added, or already freed); live: "
+                             f"{', '.join(live[:8]) + (' ...' if len(live) > 8 else '') or 'none'}")
+        return seq_id
+
+    def _distinct(self, seq_ids, what: str) -> list:
+        seq_ids = list(seq_ids)
+        if not seq_ids:
+            raise ValueError(f"{what}: seq_ids must name at least one sequence")
+        for s in seq_ids:
+            self._known(s, what)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"{what}: seq_ids must be distinct, got {seq_ids!r}")
+        return seq_ids
 
     def add_sequence(self, seq_id, prompt_tokens=()) -> int:
         """Register a sequence; with prefix caching, reuse the full blocks of an identical prefix.
@@ -272,6 +389,7 @@ class PagedKVCache:
 
     def fork(self, parent, child):
         """``child`` starts as a copy of ``parent`` sharing all its blocks (copy-on-write later)."""
+        self._known(parent, "fork")
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already exists")
         for block in self.tables[parent]:
@@ -281,6 +399,8 @@ class PagedKVCache:
         self.tokens[child] = list(self.tokens[parent])
 
     def free_sequence(self, seq_id):
+        """Drop the sequence and its references to its blocks (blocks no one else holds go back to the pool)."""
+        self._known(seq_id, "free_sequence")
         for block in self.tables.pop(seq_id):
             if self.allocator.free(block):
                 h = self.block_hash.pop(block, None)
@@ -290,6 +410,8 @@ class PagedKVCache:
 
     def blocks_needed(self, seq_id, n_new: int) -> int:
         """New blocks that appending n_new tokens takes, counting a copy-on-write of a shared last block."""
+        self._known(seq_id, "blocks_needed")
+        n_new = check_int("n_new", n_new, minimum=0)
         L, bs, table = self.lens[seq_id], self.block_size, self.tables[seq_id]
         fresh = -(-(L + n_new) // bs) - len(table)
         cow = 1 if (L % bs and table and self.allocator.refcount[table[-1]] > 1) else 0
@@ -301,6 +423,12 @@ class PagedKVCache:
         All-or-nothing: if the pool cannot hold everything, ``OutOfBlocksError`` is raised and no
         table, length or reference count has changed.
         """
+        seq_ids = self._distinct(seq_ids, "reserve")
+        n_new = check_int("n_new", n_new, minimum=0)
+        if new_tokens is not None and (len(new_tokens) != len(seq_ids)
+                                       or any(len(t) != n_new for t in new_tokens)):
+            raise ValueError(f"reserve: new_tokens must hold {n_new} token(s) for each of the {len(seq_ids)} "
+                             f"sequence(s), got lengths {[len(t) for t in new_tokens]}")
         need = sum(self.blocks_needed(s, n_new) for s in seq_ids)
         if need > self.allocator.num_free:
             raise OutOfBlocksError(f"appending {n_new} token(s) to {len(seq_ids)} sequence(s) needs {need} "
@@ -344,7 +472,20 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
-    # The three calls kvlib.generate.generate makes on any cache (sequence ids are 0..B-1 there):
+    # The four calls kvlib.generate.generate makes on any cache (sequence ids are 0..B-1 there):
+    def reset(self, batch: int | None = None, length: int | None = None):
+        """Free every sequence (their blocks go back to the pool, prefix hashes with them).
+
+        With ``length``, first check that one sequence of ``length`` positions fits in the pool;
+        if not, raise ``OutOfBlocksError`` and change nothing (``batch`` is accepted for the protocol:
+        prefix sharing makes the blocks a batch needs unknown in advance).
+        """
+        if length is not None and -(-length // self.block_size) > self.allocator.num_blocks:
+            raise OutOfBlocksError(f"a sequence of {length} positions needs {-(-length // self.block_size)} blocks "
+                                   f"of {self.block_size}; the pool has {self.allocator.num_blocks}")
+        for s in list(self.tables):
+            self.free_sequence(s)
+
     def prefill_view(self, b: int, prompt):
         cached = self.add_sequence(b, prompt)
         return self.batch([b], [list(prompt[cached:])]), cached
@@ -358,7 +499,7 @@ class PagedKVCache:
     def batch(self, seq_ids, new_tokens=None) -> "_PagedBatch":
         """A view for one model call on ``seq_ids`` (its batch rows, in order); ``new_tokens``
         (list of token lists) lets prefix caching hash the blocks they fill."""
-        return _PagedBatch(self, list(seq_ids), new_tokens)
+        return _PagedBatch(self, self._distinct(seq_ids, "batch"), new_tokens)
 
 
 class _PagedBatch:
@@ -368,11 +509,21 @@ class _PagedBatch:
         self.cache, self.seq_ids, self.new_tokens = cache, seq_ids, new_tokens
         self.slots = None
 
+    def _check(self, layer_idx, q, k, v):
+        c = self.cache
+        _, _, H_KV, D = c.k[0].shape
+        B = len(self.seq_ids)
+        check_attend_args(layer_idx, q, k, v, n_layers=len(c.k), batch=B, n_kv_heads=H_KV, head_dim=D,
+                          kv_dtype=c.k[0].dtype, batch_is=f"the view names {B} sequence(s)")
+        T = q.shape[2]
+        if T > 1 and B != 1:
+            raise ValueError("prefill (T > 1) runs one sequence at a time")
+
     def attend(self, layer_idx, q, k, v):
+        self._check(layer_idx, q, k, v)
         c, B, T = self.cache, q.shape[0], q.shape[2]
-        if B != len(self.seq_ids):
-            raise ValueError(f"the batch has {B} rows but the view names {len(self.seq_ids)} sequences")
         if layer_idx == 0:  # blocks for the new tokens, once per forward call (all-or-nothing)
+            c._distinct(self.seq_ids, "attend")  # a sequence freed since this view was made
             self.start = torch.tensor([c.lens[s] for s in self.seq_ids], dtype=torch.int32, device=c.device)
             self.slots = c.reserve(self.seq_ids, T, self.new_tokens)
             self.tables = c.block_table_tensor(self.seq_ids)
@@ -384,8 +535,6 @@ class _PagedBatch:
             decode = paged_decode_attention if triton_kernels else paged_decode_attention_ref
             out = decode(q[:, :, 0], c.k[layer_idx], c.v[layer_idx], self.tables, self.start + 1)[:, :, None]
         else:  # prefill of one sequence: gather its positions, then causal attention
-            if B != 1:
-                raise ValueError("prefill (T > 1) runs one sequence at a time")
             L = int(self.start[0]) + T
             pos = torch.arange(L, device=q.device)
             blocks = self.tables[0].long()[pos // c.block_size]

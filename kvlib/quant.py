@@ -21,9 +21,9 @@ import math
 import torch
 
 from . import runtime
-from ._triton import tl, triton
+from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref
-from .cache import KVCache, _check_cache_args, decode_attention_ref, launch_decode
+from .cache import KVCache, _check_cache_args, _check_store_args, decode_attention_ref, launch_decode
 
 __all__ = ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
            "store_kv_int8", "store_kv_int8_ref", "Int8KVCache", "quality_report"]
@@ -47,7 +47,14 @@ def quantize_int8(x: torch.Tensor, dim=-1):
     dim=-1: one scale per row (for K/V of shape (..., D): per token and head); dim=None: one scale for
     the whole tensor; dim=(0, 2): ... Rounds half away from zero (as the store kernel does). Returns (int8 values, fp32 scales) where scales keep x's rank
     (size 1 along ``dim``), so ``values * scales`` broadcasts back. An all-zero group gets scale 1
-    and exact zeros.
+    and exact zeros. With K/V (B, H_KV, S, D) and dim=-1, the scales (B, H_KV, S, 1) go straight
+    into ``int8_decode_attention``.
+
+    >>> q, scale = quantize_int8(torch.tensor([[0.5, -1.27], [0.0, 0.0]]), dim=-1)  # one scale per row
+    >>> q, scale
+    (tensor([[  50, -127],
+            [   0,    0]], dtype=torch.int8), tensor([[0.0100],
+            [1.0000]]))
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
@@ -62,9 +69,17 @@ def quantize_int8(x: torch.Tensor, dim=-1):
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """q * scale in ``dtype``; scale must have q's rank with each dim equal to q's or 1."""
+    """q * scale in ``dtype``; scale must have q's rank with each dim equal to q's or 1.
+
+    >>> x = torch.tensor([[0.5, -1.27], [3.0, 1.0]])
+    >>> dequantize_int8(*quantize_int8(x, dim=-1))  # back within half a step of each row's scale
+    tensor([[ 0.5000, -1.2700],
+            [ 3.0000,  0.9921]])
+    """
     if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
         raise TypeError(f"q must be an int8 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
     if scale.dim() != q.dim() or any(s not in (1, n) for s, n in zip(scale.shape, q.shape)):
         raise ValueError(f"scale of shape {tuple(scale.shape)} does not match values of shape {tuple(q.shape)}: "
                          "it needs the same rank, each dim equal or 1 (the granularity's group)")
@@ -76,34 +91,73 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
 # --------------------------------------------------------------------------------------------
 
 
+def _check_scales(k_q, scales: dict) -> list:
+    """The scales as (B, H_KV, S_max): one per cached row; (B, H_KV, S_max, 1) from quantize_int8(dim=-1) too."""
+    out = []
+    for name, t in scales.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 4 and t.shape[3] == 1:
+            t = t[..., 0]  # quantize_int8(k, dim=-1) keeps the reduced dim
+        if t.shape != k_q.shape[:3]:
+            raise ValueError(f"{name} must be fp16/fp32 of shape (B, H_KV, S_max) = {tuple(k_q.shape[:3])} (or with a "
+                             f"trailing 1), one scale per cached row, got {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name} must be fp16 or fp32, got {t.dtype}")
+        if t.device != k_q.device:
+            raise ValueError(f"{name} must be on the cache's device {k_q.device}, got {t.device}")
+        out.append(t)
+    return out
+
+
 def _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens):
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"q must be floating point, got {q.dtype}")
+    """Returns (longest sequence, k_scale, v_scale as (B, H_KV, S_max))."""
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {getattr(q, 'dtype', type(q).__name__)}")
     longest = _check_cache_args(q, k_q, v_q, seq_lens, kv_dtype=torch.int8)
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not isinstance(t, torch.Tensor) or t.shape != k_q.shape[:3] or t.dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"{name} must be fp16/fp32 of shape (B, H_KV, S_max) = {tuple(k_q.shape[:3])}, one "
-                             f"scale per cached row, got {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', '')}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}")
-    return longest
+    k_scale, v_scale = _check_scales(k_q, {"k_scale": k_scale, "v_scale": v_scale})
+    return longest, k_scale, v_scale
 
 
 def int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens):
-    """Dequantize the cached rows, then chapter 03's reference decode attention (fp32)."""
-    _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
+    """Dequantize the cached rows, then chapter 03's reference decode attention (fp32).
+
+    >>> k = v = torch.ones(1, 1, 4, 8)  # (B, H_KV, S_max, D)
+    >>> k_q, k_scale = quantize_int8(k, dim=-1)  # scales (B, H_KV, S_max, 1)
+    >>> out = int8_decode_attention_ref(torch.ones(1, 2, 8), k_q, k_scale, k_q, k_scale, torch.tensor([3]))
+    >>> out.shape, out[0, 0, 0].item()
+    (torch.Size([1, 2, 8]), 1.0)
+    """
+    _, k_scale, v_scale = _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
     k = dequantize_int8(k_q, k_scale[..., None], q.dtype)  # (B, H_KV, S_max, D)
     v = dequantize_int8(v_q, v_scale[..., None], q.dtype)
     return decode_attention_ref(q, k, v, seq_lens)
 
 
 def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=None):
-    """Decode attention over an int8 cache, dequantizing inside the kernel; same result as the ref."""
-    longest = _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
-    if k_q.stride(3) != 1 or v_q.stride(3) != 1 or q.stride(2) != 1 or k_scale.stride(2) != 1 \
-            or k_scale.stride() != v_scale.stride():
-        raise ValueError("q and the int8 caches must be contiguous along D, the scales along positions "
-                         "(and k_scale, v_scale laid out alike)")
+    """Decode attention over an int8 cache, dequantizing inside the kernel; same result as the ref.
+
+    q (B, H, D) fp32/fp16/bf16; k_q, v_q (B, H_KV, S_max, D) int8; k_scale, v_scale (B, H_KV, S_max)
+    fp16/fp32, or (B, H_KV, S_max, 1) as ``quantize_int8(k, dim=-1)`` returns them.
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(1, 4, 16, generator=g).to(DEVICE)  # (B, H, D)
+    >>> k, v = (torch.randn(1, 2, 8, 16, generator=g).to(DEVICE) for _ in range(2))  # (B, H_KV, S_max, D)
+    >>> (k_q, k_scale), (v_q, v_scale) = quantize_int8(k, dim=-1), quantize_int8(v, dim=-1)
+    >>> lens = torch.tensor([8], device=DEVICE)
+    >>> out = int8_decode_attention(q, k_q, k_scale, v_q, v_scale, lens)
+    >>> torch.allclose(out, int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, lens), atol=1e-5)
+    True
+    >>> bool((out - decode_attention_ref(q, k, v, lens)).abs().max() < 0.05)  # close to full precision
+    True
+    """
+    longest, k_scale, v_scale = _check_int8_args(q, k_q, k_scale, v_q, v_scale, seq_lens)
+    check_kernel_dtype("quant.int8_decode_attention", "q", q)
+    if k_q.stride(3) != 1 or v_q.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("q, k_q and v_q must be contiguous along the head dim D (stride 1)")
+    if k_scale.stride(2) != 1 or k_scale.stride() != v_scale.stride():  # the kernel reads both with one stride
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     if not runtime.require_triton("quant.int8_decode_attention", q=q, k_q=k_q, k_scale=k_scale, v_q=v_q,
                                   v_scale=v_scale, seq_lens=seq_lens):
         return int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens)
@@ -117,8 +171,28 @@ def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=No
 # --------------------------------------------------------------------------------------------
 
 
+def _check_int8_store(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
+    """Shapes, dtypes, devices and positions of an int8 store; returns the scales as (B, H_KV, S_max)."""
+    _check_store_args(k_q, v_q, k_new, v_new, start, cache_dtype=torch.int8, names=("k_q", "v_q"))
+    k_scale, v_scale = _check_scales(k_q, {"k_scale": k_scale, "v_scale": v_scale})
+    T = k_new.shape[2]
+    lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
+    if lo < 0 or hi + T > k_q.shape[2]:
+        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_q.shape[2]}")
+    return k_scale, v_scale
+
+
 def store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
-    """Quantize k_new/v_new (B, H_KV, T, D) per row and write them at start[b].. with their scales."""
+    """Quantize k_new/v_new (B, H_KV, T, D) per row and write them at start[b].. with their scales.
+
+    >>> k_q, v_q = torch.zeros(1, 1, 4, 2, dtype=torch.int8), torch.zeros(1, 1, 4, 2, dtype=torch.int8)
+    >>> k_scale, v_scale = torch.ones(1, 1, 4), torch.ones(1, 1, 4)  # (B, H_KV, S_max)
+    >>> new = torch.tensor([[[[0.5, -1.27]]]])  # (B, H_KV, T, D): one token
+    >>> store_kv_int8_ref(k_q, k_scale, v_q, v_scale, new, new, torch.tensor([2]))
+    >>> k_q[0, 0].tolist(), k_scale[0, 0].tolist()
+    ([[0, 0], [0, 0], [50, -127], [0, 0]], [1.0, 1.0, 0.009999999776482582, 1.0])
+    """
+    k_scale, v_scale = _check_int8_store(k_q, k_scale, v_q, v_scale, k_new, v_new, start)
     kq, ks = quantize_int8(k_new, dim=-1)
     vq, vs = quantize_int8(v_new, dim=-1)
     T = k_new.shape[2]
@@ -153,17 +227,26 @@ def _store_int8_kernel(
 
 
 def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
-    """Quantize-on-store with the Triton kernel: one program per new row, scale = absmax / 127."""
+    """Quantize-on-store with the Triton kernel: one program per new row, scale = absmax / 127.
+
+    k_q, v_q (B, H_KV, S_max, D) int8 and their scales (B, H_KV, S_max) fp16/fp32, all contiguous;
+    k_new, v_new (B, H_KV, T, D) fp32/fp16/bf16; start (B,) int.
+
+    >>> from kvlib.runtime import DEVICE
+    >>> k_q = torch.zeros(1, 1, 4, 2, dtype=torch.int8, device=DEVICE)
+    >>> v_q = torch.zeros_like(k_q)
+    >>> k_scale, v_scale = torch.ones(1, 1, 4, device=DEVICE), torch.ones(1, 1, 4, device=DEVICE)
+    >>> new = torch.tensor([[[[0.5, -1.27]]]], device=DEVICE)  # (B, H_KV, T, D): one token
+    >>> store_kv_int8(k_q, k_scale, v_q, v_scale, new, new, torch.tensor([2], device=DEVICE))
+    >>> k_q[0, 0, 2].tolist(), round(k_scale[0, 0, 2].item(), 4)
+    ([50, -127], 0.01)
+    """
+    k_scale, v_scale = _check_int8_store(k_q, k_scale, v_q, v_scale, k_new, v_new, start)
     B, H_KV, T, D = k_new.shape
-    if v_new.shape != k_new.shape or k_q.shape[:2] != (B, H_KV) or k_q.shape[3] != D or v_q.shape != k_q.shape:
-        raise ValueError(f"new rows {tuple(k_new.shape)} do not fit caches {tuple(k_q.shape)} (B, H_KV, S_max, D)")
-    if k_q.dtype != torch.int8 or v_q.dtype != torch.int8:
-        raise TypeError("k_q and v_q must be int8")
+    check_kernel_dtype("quant.store_kv_int8", "k_new", k_new)
     if not all(t.is_contiguous() for t in (k_q, v_q, k_scale, v_scale)):
         raise ValueError("the int8 caches and their scales must be contiguous")
-    lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
-    if lo < 0 or hi + T > k_q.shape[2]:
-        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_q.shape[2]}")
+    start = start.contiguous()
     if not runtime.require_triton("quant.store_kv_int8", k_q=k_q, k_scale=k_scale, v_q=v_q, v_scale=v_scale,
                                   k_new=k_new, v_new=v_new, start=start):
         return store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start)
@@ -183,6 +266,14 @@ class Int8KVCache(KVCache):
     Every K/V row is quantized when stored (per token and head); prefill and decode both attend over
     the dequantized cache, so the model sees exactly what an int8 cache holds. Lengths, capacity
     checks and the views ``generate`` uses are KVCache's.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = Int8KVCache.for_model(model, batch=1, max_len=8)
+    >>> with torch.no_grad():
+    ...     logits = model(torch.tensor([[1, 2, 3]]), cache=cache)
+    >>> cache.seq_lens.tolist(), cache.k[0].dtype, cache.k_scale[0].shape  # scales (B, H_KV, S_max)
+    ([3], torch.int8, torch.Size([1, 2, 8]))
     """
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, device="cpu", kernels=None):
@@ -201,6 +292,7 @@ class Int8KVCache(KVCache):
         return sum(t.nbytes for t in self.k + self.v + self.k_scale + self.v_scale)
 
     def attend(self, layer_idx, q, k, v):
+        self._check_attend(layer_idx, q, k, v, kv_dtype=None)
         T, start = q.shape[2], self.seq_lens
         L = self._make_room(T)
         kq, ks, vq, vs = self.k[layer_idx], self.k_scale[layer_idx], self.v[layer_idx], self.v_scale[layer_idx]

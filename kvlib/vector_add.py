@@ -10,11 +10,15 @@ What you will learn (notebook 00):
 import torch
 
 from . import runtime
-from ._triton import tl, triton
+from ._triton import check_kernel_dtype, tl, triton
 
 
 def add_ref(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The PyTorch reference, written with the same loop structure as the kernel."""
+    """The PyTorch reference, written with the same loop structure as the kernel.
+
+    >>> add_ref(torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0]))
+    tensor([11., 22.])
+    """
     out = torch.empty_like(x)
     TILE = 1024
     for start in range(0, x.numel(), TILE):  # one iteration = one Triton program
@@ -40,7 +44,14 @@ def add_kernel(
 
 
 def add(x: torch.Tensor, y: torch.Tensor, tile: int = 1024) -> torch.Tensor:
-    """x + y with the Triton kernel (interpreter on CPU, compiled on a GPU)."""
+    """x + y with the Triton kernel (interpreter on CPU, compiled on a GPU).
+
+    x, y: one shape, float32/float16/bfloat16 (bfloat16 not in CPU mode), on one device.
+
+    >>> from kvlib.runtime import DEVICE
+    >>> add(torch.tensor([1.0, 2.0], device=DEVICE), torch.tensor([10.0, 20.0], device=DEVICE)).tolist()
+    [11.0, 22.0]
+    """
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError(f"x and y must be torch tensors, got {type(x).__name__} and {type(y).__name__}")
     if x.shape != y.shape:
@@ -49,13 +60,16 @@ def add(x: torch.Tensor, y: torch.Tensor, tile: int = 1024) -> torch.Tensor:
         raise ValueError(f"y must have x's dtype {x.dtype}, got {y.dtype}")
     if x.device != y.device:
         raise ValueError(f"y must be on x's device {x.device}, got {y.device}")
-    if tile < 16 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
-    if not runtime.require_triton("vector_add.add"):
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile!r}")
+    check_kernel_dtype("vector_add.add", "x", x, dot=True)  # the interpreter adds bf16 wrongly
+    if not runtime.require_triton("vector_add.add", x=x, y=y):
         return add_ref(x, y)
     x, y = x.contiguous(), y.contiguous()
     out = torch.empty_like(x)
     n = x.numel()
+    if n == 0:  # nothing to add (a grid of 0 programs is not a valid launch)
+        return out
     grid = (triton.cdiv(n, tile),)  # enough programs to cover every element
     add_kernel[grid](x, y, out, n, TILE=tile)
     return out

@@ -11,10 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def quickstart_commands():
+    """The command lines of every fenced block in the README's Quickstart section (up to the next heading)."""
     readme = (ROOT / "README.md").read_text()
-    m = re.search(r"^#+ Quickstart\s*\n(.*?)```[a-z]*\n(.*?)```", readme, re.S | re.M)
-    assert m, "README needs a 'Quickstart' heading followed by a fenced code block"
-    return [line for line in m.group(2).splitlines() if line.strip()]
+    m = re.search(r"^#+ Quickstart\s*\n(.*?)(?=^#)", readme, re.S | re.M)
+    assert m, "README needs a 'Quickstart' section"
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", m.group(1), re.S)
+    assert blocks, "the Quickstart section needs fenced code blocks with its commands"
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
 
 
 def test_quickstart_has_exactly_two_commands():

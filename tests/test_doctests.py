@@ -1,0 +1,45 @@
+"""The `>>>` examples in the kernel, cache and generation modules' docstrings run and print what they say."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
+           "kvlib.gqa", "kvlib.generate", "kvlib.model", "kvlib.engine"]
+
+# Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
+MUST_HAVE_EXAMPLES = {
+    "kvlib.attention": ["attention_ref", "flash_attention", "check_attention_inputs"],
+    "kvlib.vector_add": ["add", "add_ref"],
+    "kvlib.cache": ["KVCache", "store_kv", "store_kv_ref", "decode_attention", "decode_attention_ref"],
+    "kvlib.paged": ["BlockAllocator", "PagedKVCache", "paged_decode_attention", "paged_decode_attention_ref",
+                    "store_paged", "store_paged_ref"],
+    "kvlib.quant": ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
+                    "store_kv_int8", "store_kv_int8_ref", "Int8KVCache"],
+    "kvlib.gqa": ["repeat_kv", "grouped_decode_attention", "grouped_decode_attention_ref", "mha_to_gqa"],
+    "kvlib.generate": ["generate_naive", "generate", "pad_prompts", "sample_next"],
+    "kvlib.model": ["load_hf", "Transformer.forward"],
+    "kvlib._triton": ["check_kernel_dtype"],
+    "kvlib.engine": ["Engine"],
+}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples failed in {name} (see above)"
+
+
+@pytest.mark.parametrize("name", sorted(MUST_HAVE_EXAMPLES))
+def test_public_names_have_examples(name):
+    module = importlib.import_module(name)
+    missing = []
+    for attr in MUST_HAVE_EXAMPLES[name]:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        if ">>>" not in (obj.__doc__ or ""):
+            missing.append(attr)
+    assert not missing, f"{name}: no >>> example in the docstring of {missing}"
