@@ -4,15 +4,17 @@
 #   scripts/gpu_check.sh OUT_DIR            # about 6-8 minutes
 #   scripts/gpu_check.sh OUT_DIR --quick    # about 2 minutes: fewer benchmark points
 #
-# Needs nothing beyond what the project installs (torch with CUDA, triton, pytest, hypothesis, matplotlib,
-# tqdm, safetensors, pyyaml): it uses .venv/bin/python when present, else $PYTHON, else python3, and
-# imports kvlib from this checkout. Writes to OUT_DIR:
-#   environment.txt   nvidia-smi and kvlib.describe(): GPU, driver, CUDA, torch, triton
+# Needs a Python with torch (CUDA build), triton, numpy and pytest; the benchmark also uses matplotlib,
+# pandas, tqdm and safetensors. No network, no pip install, no jupyter/nbval/hypothesis/pyyaml/transformers:
+# kvlib is imported from this checkout (PYTHONPATH), and tests that need a missing extra skip. It uses
+# $PYTHON when set, else .venv/bin/python when present, else python3. Writes to OUT_DIR:
+#   environment.txt   nvidia-smi, the Python packages found, kvlib.describe() (GPU, driver, CUDA, torch, triton)
 #   tests.log         the kernel tests, run with Triton compiling for this GPU (not the interpreter)
 #   bench.log         python -m kvlib.bench output
 #   bench/            results.csv (stamped rows), summary.md (headline table), stamp.json, one PNG per sweep
 #   status.txt        one line per step with its exit status and seconds
-# Exit status: 0 when the tests pass and every kernel agrees with its baseline, else 1 (2: no GPU).
+# Exit status: 0 when the tests pass and every kernel agrees with its baseline, else 1 (2: no GPU,
+# 3: torch, triton, numpy or pytest missing from that Python).
 # Commit the results with:  cp -r OUT_DIR/bench docs/results/<gpu-name>/  (see docs/results/README.md)
 set -uo pipefail
 
@@ -40,8 +42,30 @@ step() {  # step NAME LOG CMD...: run, log, record exit status and seconds
   return $rc
 }
 
-{ date -u; nvidia-smi 2>&1; "$PY" -c "import kvlib; kvlib.describe()" 2>&1; } > "$OUT/environment.txt"
+# What this Python has: the four it needs, then optional ones (a missing optional one skips tests or figures).
+packages() {
+  "$PY" - <<'EOF'
+import importlib, sys
+need = ["torch", "triton", "numpy", "pytest"]
+optional = ["matplotlib", "pandas", "tqdm", "safetensors", "hypothesis", "yaml", "transformers"]
+missing = []
+for name in need + optional:
+    try:
+        version = getattr(importlib.import_module(name), "__version__", "?")
+    except Exception as e:  # a broken install counts as missing
+        version = f"MISSING ({type(e).__name__})"
+        missing += [name] if name in need else []
+    print(f"  {name:<13} {version}{'' if name in need else '  (optional)'}")
+print(f"python {sys.version.split()[0]} at {sys.executable}")
+sys.exit(3 if missing else 0)
+EOF
+}
+{ date -u; nvidia-smi 2>&1; packages 2>&1; "$PY" -c "import kvlib; kvlib.describe()" 2>&1; } > "$OUT/environment.txt"
 cat "$OUT/environment.txt"
+if ! packages > /dev/null 2>&1; then
+  echo "$PY lacks torch, triton, numpy or pytest (see environment.txt): nothing to run" | tee -a "$OUT/status.txt"
+  exit 3
+fi
 if ! "$PY" -c "import sys, kvlib; sys.exit(kvlib.runtime.mode() != 'gpu')" 2>/dev/null; then
   if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
     echo "no CUDA GPU visible to PyTorch with Triton installed: this script needs one" | tee -a "$OUT/status.txt"
