@@ -582,3 +582,199 @@ def test_every_variant_is_named_as_itself_and_only_itself():
             elif len(found) > 1:
                 ambiguous.append((label, found))
     assert not missed and not ambiguous, (missed, ambiguous)
+
+
+# ---------------------------------------------------------------- lab 08 -----------------------
+
+
+@pytest.fixture(scope="module")
+def lab08():
+    """The solution notebook's own trace recorders, run: {name: value} of its namespace."""
+    nb = json.loads((REPO / "solutions" / "08_serving_lab.ipynb").read_text(encoding="utf-8"))
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    wanted = ("import kvlib", "def toy_model", "def admission_trace", "def preemption_trace", "def chunk_case")
+    namespace = {}
+    for src in cells:
+        if src.startswith(wanted[0]) or any(f in src for f in wanted[1:4]):
+            exec(compile(src, "lab08", "exec"), namespace)
+        elif wanted[4] in src:  # define chunk_case only; the cell's check needs the learner's function
+            exec(compile(src[:src.index("shapes = ")], "lab08", "exec"), namespace)
+    return namespace
+
+
+def test_lab08_reference_rules_are_the_engines(lab08):
+    adm, pre = lab08["adm_trace"], lab08["pre_trace"]
+    assert all(mistakes._admit(s) == s["admitted"] for s in adm)
+    assert all(mistakes._preempt(s) == s["preempted"] for s in pre)
+    # the traces hold the cases the diagnoses need
+    assert any(not s["running_needs"] and s["admitted"] for s in adm)  # an idle engine admits a big request
+    assert any(c for s in adm for _, c in s["waiting"])  # cached prefixes
+    assert any(len(s["waiting"]) > len(s["admitted"]) + 1 for s in adm)  # a misfit with requests behind it
+    assert sum(bool(s["preempted"]) for s in pre) >= 5
+
+
+def _admit_wrong(free_blocks, num_blocks, watermark, block_size, running_needs, waiting, *, skip=False,
+                 ignore_watermark=False, always_watermark=False, count_cached=False, floor=False, plus_one=False,
+                 forget_admitted=False):
+    """admit() as a learner might write it, with one mistake switched on."""
+    reserve = 0 if ignore_watermark else int(watermark * num_blocks)
+    used = sum(running_needs)
+    out = []
+    for i, (n, cached) in enumerate(waiting):
+        n = n + 1 if plus_one else n
+        blocks = n // block_size if floor else math.ceil(n / block_size)
+        if not count_cached:
+            blocks -= cached // block_size
+        keep = reserve if (running_needs or out or always_watermark) else 0
+        if blocks <= free_blocks - used - keep:
+            out.append(i)
+            if not forget_admitted:
+                used += blocks
+        elif not skip:
+            break
+    return out
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(skip=True), "skips a request"),
+    (dict(ignore_watermark=True), "watermark is ignored"),
+    (dict(always_watermark=True), "even when nothing runs"),
+    (dict(count_cached=True), "cached tokens are counted"),
+    (dict(floor=True), "rounded down"),
+    (dict(plus_one=True), "n_tokens + 1"),
+    (dict(forget_admitted=True), "admitted request's blocks are not added"),
+])
+def test_lab08_admission_mistakes(lab08, mistake, words):
+    trace = lab08["adm_trace"]
+    args = ("free_blocks", "num_blocks", "watermark", "block_size", "running_needs", "waiting")
+    width = max(len(s["waiting"]) for s in trace)
+    ref = mistakes.admission_flags([s["admitted"] for s in trace], width)
+    assert check(mistakes.admission_flags([_admit_wrong(**{k: s[k] for k in args}) for s in trace], width), ref)
+    mine = mistakes.admission_flags([_admit_wrong(**{k: s[k] for k in args}, **mistake) for s in trace], width)
+    diagnosed(lambda: check(mine, ref, mistakes=mistakes.admission(trace)), words)
+
+
+def _preempt_wrong(free_blocks, running, *, pick="newest", give_back=True, promise=True):
+    """preempt() as a learner might write it, with one mistake switched on."""
+    victims, taken = [], 0
+    for rid, held, need in running:
+        if rid in victims:
+            continue
+        while need > free_blocks - (taken if promise else 0):
+            left = [r for r in running if r[0] not in victims]
+            if pick == "oldest":
+                v = next((r for r in left if r[0] != rid), (rid, held, need))
+            elif pick == "self":
+                v = (rid, held, need)
+            elif pick == "longest":
+                v = sorted(left, key=lambda r: (r[1], r[0]))[-1]
+            else:
+                v = left[-1]
+            victims.append(v[0])
+            if give_back:
+                free_blocks += v[1]
+            if v[0] == rid:
+                break
+        else:
+            taken += need
+    return victims
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(pick="oldest"), "oldest request"),
+    (dict(pick="self"), "preempted itself"),
+    (dict(pick="longest"), "most blocks"),
+    (dict(give_back=False), "not given back"),
+    (dict(promise=False), "promised to older"),
+])
+def test_lab08_preemption_mistakes(lab08, mistake, words):
+    trace = lab08["pre_trace"]
+    ref = mistakes.preemption_flags([s["preempted"] for s in trace], trace)
+    assert check(mistakes.preemption_flags([_preempt_wrong(s["free_blocks"], s["running"]) for s in trace], trace), ref)
+    mine = mistakes.preemption_flags([_preempt_wrong(s["free_blocks"], s["running"], **mistake) for s in trace], trace)
+    diagnosed(lambda: check(mine, ref, mistakes=mistakes.preemption(trace)), words)
+
+
+def _lab08_chunks(lab08):
+    shapes = [(4, 0, 7), (4, 5, 6), (4, 8, 4), (16, 13, 20), (1, 3, 4), (8, 24, 1)]
+    cases, ref = [], []
+    for n, (bs, L, T) in enumerate(shapes):
+        table, slots = lab08["chunk_case"](bs, L, T, seed=n)
+        cases.append((table, bs, L, T))
+        ref.append(slots)
+    return cases, torch.cat(ref)
+
+
+@pytest.mark.parametrize("slot, words", [
+    (lambda t, bs, p, i: t[p // bs] * bs + p, "global offset"),
+    (lambda t, bs, p, i: t[i // bs] * bs + i % bs, "start at 0"),
+    (lambda t, bs, p, i: p, "block table is not used"),
+    (lambda t, bs, p, i: t[p // bs] + p % bs, "not multiplied"),
+])
+def test_lab08_chunk_slot_mistakes(lab08, slot, words):
+    cases, ref = _lab08_chunks(lab08)
+    assert check(torch.tensor([t[p // bs] * bs + p % bs for t, bs, L, T in cases for p in range(L, L + T)]), ref)
+    mine = torch.tensor([slot(t, bs, L + i, i) for t, bs, L, T in cases for i in range(T)])
+    diagnosed(lambda: check(mine, ref, mistakes=mistakes.chunk_slots(cases)), words)
+
+
+def _lab08_costs():
+    prefill_s = lambda n: n * (1.5e-6 + 2.1e-9 * n)  # noqa: E731  (the lab's round numbers)
+    cases = [(100, 20), (300, 40), (900, 100), (1100, 30), (1000, 300), (50, 1200), (2000, 10), (1, 1)]
+    return prefill_s, 23040, 12e9, cases
+
+
+@pytest.mark.parametrize("choose, words", [
+    (lambda p, g, f, b, bw: n_swap(p + g, b, bw, 1) < f(p + g), "one way only"),
+    (lambda p, g, f, b, bw: n_swap(p + g, b, bw) < f(p), "prompt only"),
+    (lambda p, g, f, b, bw: n_swap(p + g, b, bw) < f(p + g) / (p + g), "per token is compared with swap's total"),
+    (lambda p, g, f, b, bw: n_swap(p + g, b, bw) / (p + g) < f(p + g), "swap's time per token"),
+])
+def test_lab08_swap_or_recompute_mistakes(choose, words):
+    prefill_s, b, bw, cases = _lab08_costs()
+    ref = torch.tensor([n_swap(p + g, b, bw) < prefill_s(p + g) for p, g in cases])
+    assert ref.any() and not ref.all()
+    mine = torch.tensor([choose(p, g, prefill_s, b, bw) for p, g in cases])
+    diagnosed(lambda: check(mine, ref, mistakes=mistakes.swap_or_recompute(cases, prefill_s, b, bw)), words)
+
+
+def n_swap(n, bytes_per_token, bandwidth, ways=2):
+    return ways * n * bytes_per_token / bandwidth
+
+
+def test_lab08_crossover_mistakes():
+    prefill_s, b, bw, _ = _lab08_costs()
+    right = next(n for n in range(1, 4097) if n_swap(n, b, bw) < prefill_s(n))
+    assert right == 1115  # the number the lab's check expects
+    m = mistakes.crossover(prefill_s, b, bw, 4096)
+    one_way = next(n for n in range(1, 4097) if n_swap(n, b, bw, 1) < prefill_s(n))
+    diagnosed(lambda: check(one_way, right, mistakes=m), "one way only")
+    last_recompute = max(n for n in range(1, 4097) if n_swap(n, b, bw) >= prefill_s(n))
+    diagnosed(lambda: check(last_recompute, right, mistakes=m), "one too few")
+    per_token = next(n for n in range(1, 4097) if n_swap(n, b, bw) / n < prefill_s(n))
+    diagnosed(lambda: check(per_token, right, mistakes=m), "swap's time per token")
+
+
+def test_lab08_every_variant_is_named_as_itself_and_only_itself(lab08):
+    adm, pre = lab08["adm_trace"], lab08["pre_trace"]
+    width = max(len(s["waiting"]) for s in adm)
+    cases, slots = _lab08_chunks(lab08)
+    prefill_s, b, bw, costs = _lab08_costs()
+    sets = [
+        (mistakes.admission_flags([s["admitted"] for s in adm], width), mistakes.admission(adm)),
+        (mistakes.preemption_flags([s["preempted"] for s in pre], pre), mistakes.preemption(pre)),
+        (slots, mistakes.chunk_slots(cases)),
+        (torch.tensor([n_swap(p + g, b, bw) < prefill_s(p + g) for p, g in costs]),
+         mistakes.swap_or_recompute(costs, prefill_s, b, bw)),
+        (1115, mistakes.crossover(prefill_s, b, bw, 4096)),
+    ]
+    problems = []
+    for reference, variants in sets:
+        for what, wrong in variants.items():
+            value = wrong()
+            if value is None:  # "never": a learner's None is reported as not written, not diagnosed
+                continue
+            found = diagnoses(lambda: check(value, reference, mistakes=variants))
+            if found != [what]:
+                problems.append((what, found))
+    assert not problems, problems
