@@ -84,6 +84,18 @@ ROWS = [
         r"g = 1: .*?after the fine-tune (?P<g1>[\d.]+)", "{g4} / {g2} / {g1} vs {ctl}"),
     Row("SmolLM2-135M-Instruct (9 query / 3 K/V heads), layer 15: the wrong head mapping h % 3 vs h // 3",
         "07_gqa.ipynb", r"the wrong mapping h % 3 is off by up to (?P<err>[\d.]+)", "off by up to {err} (h // 3: agrees)"),
+    Row("serving 40 requests (Poisson arrivals, lengths 11× apart), same KV memory: static vs continuous batching, "
+        "engine steps; TTFT p99 in steps", "08_serving.ipynb",
+        r"Static batching in arrival order took (?P<s>\d+) steps for the trace, continuous batching (?P<c>\d+).*?"
+        r"TTFT\*\* in steps, median / p99: static [\d.]+ / (?P<s99>\d+(?:\.\d+)?), continuous [\d.]+ / (?P<c99>\d+(?:\.\d+)?)",
+        "{s} vs {c}; {s99} vs {c99}"),
+    Row("RAG-like workload (30 requests, 3 shared documents): prompt tokens served from the prefix cache; "
+        "prefill tokens computed, with vs without", "08_serving.ipynb",
+        r"With prefix caching the engine served (?P<hit>[\d.]+%) of the prompt tokens from the cache and prefilled "
+        r"(?P<a>[\d,]+) tokens instead of (?P<b>[\d,]+)", "{hit}; {a} vs {b}"),
+    Row("SmolLM2-135M-Instruct, 5 chat requests: the engine vs one request at a time (tokens/s)", "08_serving.ipynb",
+        r"served the \d+ requests at \*\*(?P<e>[\d.]+) tokens/s\*\* against \*\*(?P<o>[\d.]+) tokens/s\*\*",
+        "{e} vs {o}"),
 ]
 
 
