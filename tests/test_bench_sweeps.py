@@ -188,7 +188,11 @@ TINY = {
     "store": {"tokens": [40]},
     "prefill": {"heads": [(4, 2, 32), (2, 2, 32)], "batch": [1], "ctx": [48]},
     "memory": {"ctx": [128]},
+    "engine": {"loads": [2], "requests": 1, "prompt": (5, 8), "output": (2, 3), "max_num_seqs": 2,
+               "max_batched_tokens": 8, "block_size": 4, "num_blocks": 4},  # Triton in the interpreter: keep it tiny
 }
+ENGINE_TINY = {"loads": [0.5, 4], "requests": 4, "prompt": (8, 16), "output": (3, 6), "max_num_seqs": 2,
+               "max_batched_tokens": 8, "block_size": 4, "num_blocks": 6}  # the CPU branch (PyTorch paths)
 
 
 @pytest.mark.skipif(GPU, reason="the real GPU run covers these branches")
@@ -206,13 +210,15 @@ def test_the_gpu_branches_of_every_sweep_run_at_tiny_sizes(monkeypatch):
     for sweep, kernel, *_ in results.TARGETS:  # every kernel named in the headline table is produced
         assert (sweep, kernel) in kernels, (sweep, kernel)
     for r in rows:
-        if r["sweep"] != "memory":
+        if r["sweep"] not in ("memory", "engine"):  # engine rows: tokens/s of a whole trace (tested below)
             assert r["time_ms"] > 0 and r["bytes_moved"] > 0, r
             assert (r.get("baseline") is None) == (r.get("vs_baseline") is None), r
             compared = r.get("baseline") is not None and r["kernel"] != "torch add"  # add is not a copy
             assert not compared or r.get("max_abs_err") is not None, r
     assert {r["kernel"] for r in rows if r["sweep"] == "int8"} == {
         "float32 decode", "int8 decode (fused dequant)", "dequantize, then fp16 decode"}
+    engine = [r for r in rows if r["sweep"] == "engine"]
+    assert len(engine) == 2 * len(TINY["engine"]["loads"]) and all(r["tokens_per_s"] > 0 for r in engine)
 
 
 def test_update_readme_replaces_only_the_headline_section(tmp_path):
@@ -309,3 +315,62 @@ def test_percent_of_bandwidth_plots_draw_a_100_percent_line():
              "device": "CPU"} for m in (1, 2)]
     fig = results.plot_sweep(copy, "copy")
     assert any(ln.get_ydata()[0] == pytest.approx(20.0) and "100%" in ln.get_label() for ln in fig.axes[0].lines)
+
+
+ENGINE_COLUMNS = ("load", "requests", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                  "preemptions")
+
+
+@pytest.mark.skipif(GPU, reason="CPU workload")
+def test_engine_sweep_runs_on_cpu_with_complete_rows_checked_against_generate(tmp_path):
+    """Per load: static batching's row and the engine's, every column present, the engine's outputs equal to
+    generate alone (status ok), its tokens/s over static's as vs_baseline, preemptions at the highest load."""
+    w = sweeps.WORKLOADS["cpu"]["engine"]
+    rows = sweeps.run(["engine"], progress=False)
+    assert all(set(r) == set(results.COLUMNS) for r in rows)
+    assert [(r["load"], r["kernel"]) for r in rows] == [
+        (float(load), k) for load in w["loads"] for k in ("static batching (generate)", "engine (continuous batching)")]
+    for static, eng in zip(rows[::2], rows[1::2]):
+        for r in (static, eng):
+            assert r["status"] == "ok" and r["device"] and r["mode"] and r["date"], r
+            assert r["B"] == w["max_num_seqs"] and r["block_size"] == w["block_size"] and r["requests"] == w["requests"]
+            assert r["tokens_per_s"] > 0 and r["time_ms"] is None and r["headline"] == 0
+        assert static["baseline"] is None and static["vs_baseline"] is None and static["preemptions"] == 0
+        assert eng["baseline"] == static["kernel"]
+        assert eng["vs_baseline"] == pytest.approx(eng["tokens_per_s"] / static["tokens_per_s"])
+        assert 0 < eng["ttft_p50_ms"] <= eng["ttft_p99_ms"] and 0 < eng["tpot_p50_ms"] <= eng["tpot_p99_ms"]
+        assert isinstance(eng["preemptions"], int) and eng["preemptions"] >= 0
+    assert rows[-1]["preemptions"] > 0  # the pool is kept small enough that the highest load preempts
+    back = results.read_csv(results.write_csv(rows, tmp_path / "r.csv"))
+    assert [{k: r[k] for k in ENGINE_COLUMNS} for r in back] == [
+        {k: (pytest.approx(r[k], rel=1e-5) if isinstance(r[k], float) else r[k]) for k in ENGINE_COLUMNS} for r in rows]
+    fig = results.plot_sweep(back, "engine", tmp_path / "engine.png")
+    assert (tmp_path / "engine.png").stat().st_size > 10_000 and "CPU" in fig.axes[0].get_title()
+
+
+def test_engine_sweep_says_mismatch_when_an_output_differs_from_generate_alone(monkeypatch):
+    ctx = sweeps.Ctx(quick=True)
+    ctx.gpu, ctx.sizes = False, {"engine": ENGINE_TINY}
+    serve = sweeps._serve
+
+    def wrong(*args):
+        out, mets, wall = serve(*args)
+        out[0] = out[0][:-1] + [(out[0][-1] + 1) % 256]  # one token of one request
+        return out, mets, wall
+
+    monkeypatch.setattr(sweeps, "_serve", wrong)
+    rows = sweeps.run(["engine"], progress=False, ctx=ctx)
+    assert [r["status"] for r in rows if r["kernel"].startswith("engine")] == [
+        "MISMATCH: 1 of 4 requests differ from generate alone"] * 2
+    assert all(r["status"] == "ok" for r in rows if r["kernel"].startswith("static"))
+
+
+def test_engine_trace_is_seeded_skewed_and_the_same_requests_at_every_load():
+    w = {**ENGINE_TINY, "requests": 200, "prompt": (24, 96), "output": (12, 48)}
+    a, b = sweeps.engine_trace(w, 256), sweeps.engine_trace(w, 256)
+    assert a == b and a != sweeps.engine_trace(w, 256, seed=1)
+    lens = sorted(len(r["prompt"]) for r in a)
+    assert 2 <= lens[0] and lens[-1] <= 96 and lens[100] < sum(lens) / len(lens)  # median < mean: a long tail
+    assert all(2 <= r["new"] <= 48 for r in a) and all(max(r["prompt"]) < 256 for r in a)
+    times = [r["arrival"] for r in a]
+    assert times[0] == 0 and times == sorted(times) and 0.7 < (times[-1] / (len(a) - 1)) < 1.3  # rate ~1 per step

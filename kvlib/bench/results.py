@@ -30,7 +30,7 @@ __all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "
            "NO_REFERENCE"]
 
 COLUMNS = [
-    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory
+    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory, engine
     "kernel",  # what ran (a Triton kernel, a PyTorch path, SDPA...)
     "B", "H", "H_KV", "S", "T", "D",  # shape glossary of the course (T: new tokens, S: cached length)
     "block_size",  # positions per cache block (paged rows)
@@ -45,13 +45,21 @@ COLUMNS = [
     "max_abs_err",  # max |output - baseline's output| (or the reference's)
     "memory_bytes",  # memory rows: bytes measured; copy rows: one buffer's bytes
     "predicted_bytes",  # memory rows: bytes by the formula of chapter 04
+    "load",  # engine rows: mean requests arriving per engine step (Poisson); B is max_num_seqs there
+    "requests",  # engine rows: requests in the trace
+    "tokens_per_s",  # engine rows: generated tokens / wall-clock seconds of the whole trace
+    "ttft_p50_ms", "ttft_p99_ms",  # engine rows: time to first token from arrival (wall clock), median and p99
+    "tpot_p50_ms", "tpot_p99_ms",  # engine rows: time per output token after the first (wall clock)
+    "preemptions",  # engine rows: preemptions over the trace (recompute); vs_baseline: tokens/s over static's
     "headline",  # 1 where the point counts for the headline table (e.g. KV read >= 256 MB)
     "status",  # ok | correctness only (interpreter) | out of memory | skipped: ... | MISMATCH ...
     "device", "mode", "driver", "cuda", "torch", "triton", "date",  # the stamp
 ]
 STAMP_KEYS = ["device", "mode", "driver", "cuda", "torch", "triton", "date"]
-_INT = {"B", "H", "H_KV", "S", "T", "D", "block_size", "bytes_moved", "memory_bytes", "predicted_bytes", "headline"}
-_FLOAT = {"time_ms", "gbps", "pct_copy_bw", "tflops", "vs_baseline", "max_abs_err"}
+_INT = {"B", "H", "H_KV", "S", "T", "D", "block_size", "bytes_moved", "memory_bytes", "predicted_bytes", "headline",
+        "requests", "preemptions"}
+_FLOAT = {"time_ms", "gbps", "pct_copy_bw", "tflops", "vs_baseline", "max_abs_err", "load", "tokens_per_s",
+          "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"}
 
 
 def _driver() -> str | None:
@@ -264,6 +272,8 @@ PLOTS = {
     "grouped": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel", "H", "H_KV"), True),
     "store": ("T", "pct_copy_bw", "new tokens written T", "% of measured copy bandwidth", ("kernel",), False),
     "memory": ("S", "memory_bytes", "context length S (tokens)", "bytes held (4 layers, batch 1)", ("kernel",), True),
+    "engine": ("load", "tokens_per_s", "load (requests arriving per engine step, Poisson mean)",
+               "generated tokens/s (wall clock, tiny model)", ("kernel",), False),
 }
 
 

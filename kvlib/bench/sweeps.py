@@ -13,7 +13,15 @@ result row (see ``results.COLUMNS``).
   once in the interpreter at a small awkward shape, for correctness only (no time: the interpreter's
   speed says nothing about the kernel's).
 
-Sweeps, in run order: copy (the roofline), decode, paged, int8, grouped, store, prefill, memory.
+Sweeps, in run order: copy (the roofline), decode, paged, int8, grouped, store, prefill, memory, engine.
+
+The engine sweep is not a kernel: it serves one seeded trace of requests (Poisson arrivals, skewed
+prompt and output lengths) through ``kvlib.engine.Engine`` with the tiny model at several loads, and
+the same requests through static batching (``generate`` in batches of ``max_num_seqs``): generated
+tokens/s, TTFT and TPOT percentiles (wall clock) and preemptions, one row per load and mode. Its
+outputs are checked token for token against ``generate`` alone, at every load. Arrivals are counted in
+engine steps (the logical clock), so the schedule and its preemptions are the same on every machine; a
+step spent waiting for an arrival computes nothing, so tokens/s says how well a load fills the batches.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ WORKLOADS = {
         "store": {"tokens": [1 * K, 4 * K, 16 * K, 64 * K]},
         "prefill": {"heads": HEADS, "batch": [1], "ctx": [1 * K, 2 * K, 4 * K, 8 * K, 16 * K]},
         "memory": {"ctx": [1 * K, 4 * K, 16 * K, 64 * K, 128 * K]},
+        "engine": {"loads": [0.1, 0.25, 0.5, 1, 2, 4], "requests": 128, "prompt": (64, 512), "output": (32, 256),
+                   "max_num_seqs": 32, "max_batched_tokens": 512, "block_size": 16, "num_blocks": 192},
     },
     "gpu_quick": {
         "copy": {"mib": [16, 256, 1024]},
@@ -58,6 +68,8 @@ WORKLOADS = {
         "store": {"tokens": [16 * K, 64 * K]},
         "prefill": {"heads": HEADS[:1], "batch": [1], "ctx": [4 * K, 16 * K]},
         "memory": {"ctx": [4 * K, 64 * K]},
+        "engine": {"loads": [0.1, 0.5, 2], "requests": 64, "prompt": (64, 512), "output": (32, 256),
+                   "max_num_seqs": 32, "max_batched_tokens": 512, "block_size": 16, "num_blocks": 192},
     },
     "cpu": {
         "copy": {"mib": [1, 4, 16, 64]},
@@ -68,8 +80,14 @@ WORKLOADS = {
         "store": {"tokens": [1 * K, 4 * K, 16 * K]},
         "prefill": {"heads": [(8, 2, 64)], "batch": [1], "ctx": [256, 512, 1 * K]},  # CPU attention is O(S^2)
         "memory": {"ctx": [1 * K, 4 * K, 16 * K]},
+        "engine": {"loads": [0.05, 0.2, 1], "requests": 32, "prompt": (24, 96), "output": (12, 48),
+                   "max_num_seqs": 4, "max_batched_tokens": 64, "block_size": 16, "num_blocks": 12},
     },
 }
+# engine: loads = mean requests arriving per engine step (Poisson), from about one request running at a
+# time to more than max_num_seqs can serve; requests in the trace; prompt and output = (median, cap) of
+# their log-normal lengths in tokens; the rest are Engine's arguments (the pool, num_blocks, is kept below
+# what max_num_seqs typical requests need, so the high loads preempt).
 HEADLINE_KV_BYTES = 256 * 10**6  # GPU headline points read at least this much K/V
 TOL = {torch.float16: 2e-2, torch.float32: 1e-4}
 
@@ -522,10 +540,158 @@ def memory(ctx: Ctx) -> Iterator[Point]:
                         extra={"predicted_bytes": predicted})
 
 
+# --------------------------------------------------------------------------------------------
+# engine: continuous batching on the paged cache vs static batching, throughput vs load
+# --------------------------------------------------------------------------------------------
+
+
+def engine_trace(w: dict, vocab_size: int, seed: int = 0) -> list[dict]:
+    """The sweep's trace at load 1: per request its prompt (token ids), new tokens and arrival time in
+    engine steps. Lengths are log-normal (sigma 0.8: most short, a few long) around w's medians, at
+    least 2 and at most the caps; prompts are byte slices of kvlib's own docstrings (text the tiny
+    model has seen the like of). Arrivals are a Poisson process of rate 1 per step; a load L divides
+    the times by L, so every load serves the same requests in the same order."""
+    from .. import engine as _engine, generate as _generate, paged as _paged
+
+    text = "\n".join(m.__doc__ or "" for m in (_engine, _generate, _paged)).encode("utf-8", "replace")
+    gen = torch.Generator().manual_seed(seed)
+    n = w["requests"]
+
+    def lengths(median, cap):
+        z = torch.randn(n, generator=gen)
+        return [int(min(cap, max(2, round(median * math.exp(0.8 * float(x)))))) for x in z]
+
+    prompts, outputs = lengths(*w["prompt"]), lengths(*w["output"])
+    gaps = torch.empty(n).exponential_(1.0, generator=gen)
+    arrivals = torch.cumsum(gaps, 0) - gaps[0]  # the first request arrives at step 0
+    trace = []
+    for p, o, t in zip(prompts, outputs, arrivals.tolist()):
+        start = int(torch.randint(0, len(text) - p, (1,), generator=gen))
+        trace.append({"prompt": [b % vocab_size for b in text[start:start + p]], "new": o, "arrival": t})
+    return trace
+
+
+def _quantile(vals, q):
+    """The q-quantile (linear interpolation between order statistics), None for no values."""
+    vals = sorted(v for v in vals if v is not None)
+    if not vals:
+        return None
+    x = q * (len(vals) - 1)
+    lo = math.floor(x)
+    return vals[lo] + (vals[min(lo + 1, len(vals) - 1)] - vals[lo]) * (x - lo)
+
+
+def _serve(model, trace, w, load, kernels):
+    """The trace at this load through a fresh Engine: (outputs by request, metrics by request, wall s)."""
+    from ..engine import Engine
+
+    eng = Engine(model, w["num_blocks"], w["block_size"], max_num_seqs=w["max_num_seqs"],
+                 max_batched_tokens=w["max_batched_tokens"], kernels=kernels)
+    order = sorted(range(len(trace)), key=lambda i: trace[i]["arrival"])
+    ids, nxt = {}, 0
+    t0 = time.perf_counter()
+    while nxt < len(order) or eng.has_unfinished():
+        while nxt < len(order) and trace[order[nxt]]["arrival"] / load <= eng.clock:  # arrived by this step
+            i = order[nxt]
+            ids[i] = eng.add_request(trace[i]["prompt"], trace[i]["new"])
+            nxt += 1
+        eng.step()  # with nothing to do (waiting for an arrival) a step computes nothing and costs ~nothing
+    if runtime.DEVICE == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    out = {i: eng.requests[rid].output for i, rid in ids.items()}
+    return out, {i: eng.metrics(rid) for i, rid in ids.items()}, wall
+
+
+def _static(model, trace, w, kernels):
+    """Static batching: the requests in arrival order, max_num_seqs at a time, each batch through
+    ``generate`` to its longest output (the others wait, their extra tokens thrown away); all requests
+    are taken as present from the start (the baseline's best case for throughput; its TTFT and TPOT are
+    not measured). Returns the wall seconds."""
+    from ..generate import generate
+
+    order = sorted(range(len(trace)), key=lambda i: trace[i]["arrival"])
+    t0 = time.perf_counter()
+    for s in range(0, len(order), w["max_num_seqs"]):
+        batch = order[s:s + w["max_num_seqs"]]
+        generate(model, [trace[i]["prompt"] for i in batch], max(trace[i]["new"] for i in batch),
+                 kernels=kernels)  # (B, N): each request keeps its first trace[i]["new"] tokens
+    if runtime.DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def engine(ctx: Ctx) -> Iterator[Point]:
+    from ..generate import generate
+    from ..model import load_tiny
+
+    w = ctx.sizes["engine"]
+    kernels = "triton" if ctx.gpu else "torch"  # CPU: the interpreter would time Python, not the engine
+    state = {}  # the model, trace, references and static baseline, shared by the points
+
+    def setup():
+        if not state:
+            model, _ = load_tiny(device=ctx.device)
+            trace = engine_trace(w, model.config.vocab_size)
+            need = max(-(-(len(r["prompt"]) + r["new"] - 1) // w["block_size"]) for r in trace)
+            state.update(model=model, trace=trace, w={**w, "num_blocks": max(w["num_blocks"], need)})
+            # the references: generate alone, on a paged cache with the same kernels (on a GPU, other kernels
+            # could round differently and flip a near-tied argmax); they also run the model once before
+            # anything is timed
+            state["alone"] = [generate(model, [r["prompt"]], r["new"], cache="paged", kernels=kernels)[0].tolist()
+                              for r in trace]
+            if runtime.DEVICE == "cuda":  # Triton compiles each kernel specialization at its first call
+                _serve(model, trace[:4], state["w"], 1.0, kernels)  # the engine's batched forwards
+                _static(model, trace[: w["max_num_seqs"]], state["w"], kernels)  # the contiguous cache's kernels
+            state["static"] = _static(model, trace, state["w"], kernels)
+        return state
+
+    def row(kernel, tokens, wall, mets, mismatches, n, **more):
+        ttft = [m["ttft_s"] * 1e3 for m in mets]
+        tpot = [m["tpot_s"] * 1e3 for m in mets if m["tpot_s"] is not None]
+        status = "ok" if not mismatches else f"MISMATCH: {mismatches} of {n} requests differ from generate alone"
+        return {"kernel": kernel, "tokens_per_s": tokens / wall, "ttft_p50_ms": _quantile(ttft, 0.5),
+                "ttft_p99_ms": _quantile(ttft, 0.99), "tpot_p50_ms": _quantile(tpot, 0.5),
+                "tpot_p99_ms": _quantile(tpot, 0.99), "status": status, **more}
+
+    def one_thread(fn):
+        """CPU: time with one torch thread (a second thread on a 2-core machine that is busy elsewhere
+        makes a step up to 10x slower, which would be the curve instead of the engine)."""
+        def wrapped():
+            if ctx.gpu:
+                return fn()
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return fn()
+            finally:
+                torch.set_num_threads(threads)
+        return wrapped
+
+    for load in w["loads"]:
+        @one_thread
+        def build(load=load):
+            st = setup()
+            trace, alone = st["trace"], st["alone"]
+            tokens = sum(r["new"] for r in trace)
+            s_wall = st["static"]  # static batching is generate itself (batched): nothing to check
+            out, mets, wall = _serve(st["model"], trace, st["w"], load, kernels)
+            bad = sum(out[i] != alone[i] for i in range(len(trace)))
+            static = row("static batching (generate)", tokens, s_wall, [], 0, len(trace), preemptions=0)
+            eng = row("engine (continuous batching)", tokens, wall, list(mets.values()), bad, len(trace),
+                      preemptions=sum(m["preemptions"] for m in mets.values()), baseline=static["kernel"],
+                      vs_baseline=tokens / wall / static["tokens_per_s"])
+            return [static, eng]
+
+        yield Point("engine", {"B": w["max_num_seqs"], "block_size": w["block_size"],
+                               "dtype": _dt(torch.float32)}, build, curve=("engine",), timed=False,
+                    extra={"load": float(load), "requests": w["requests"]})
+
+
 # in run order: the roofline first, then the decode-side kernels the targets are about (a time budget
 # that runs out cuts the end of this list)
 SWEEPS = {"copy": copy, "decode": decode, "paged": paged, "int8": int8, "grouped": grouped, "store": store,
-          "prefill": prefill, "memory": memory}
+          "prefill": prefill, "memory": memory, "engine": engine}
 
 
 # --------------------------------------------------------------------------------------------
