@@ -14,16 +14,21 @@ What you will learn:
 - prefix caching across requests: a finished request leaves its full blocks in the pool, found
   again by chapter 05's chained block hashes, so a request with the same prefix (a system prompt,
   a shared document) skips that part of its prefill. Even when the whole prompt is cached, its last
-  token is computed: its logits give the first new token.
+  token is computed: its logits give the first new token;
+- a tiered prefix store (off by default: ``host_blocks``, ``disk_dir``, ``disk_blocks``): a cached
+  block evicted from the device pool moves, with its chained hash and its tokens, to host memory
+  (least recently used out first, pinned on a GPU), from there to disk (one safetensors file per
+  block), and comes back to the device when a later prompt's lookup reaches it.
 
 The rules of one ``step()`` (time is the step counter; "free" counts the blocks no one holds plus
 the cached blocks of finished requests, which are evicted, least recently used first, when needed):
 1. Swap-in, then admission, while fewer than ``max_num_seqs`` requests run. Swapped-out requests
    come back first, oldest first; while any waits in host memory no new request is admitted.
    Then waiting requests in arrival order (recompute-preempted ones keep their place by age): a
-   request is admitted when the blocks of its tokens not found in the prefix cache fit beside those
-   the running requests still need for their pending tokens, leaving ``int(watermark * num_blocks)``
-   blocks free; when nothing runs they only have to fit. The first that does not fit stops admission.
+   request is admitted when the blocks of its tokens not found in the device pool's prefix cache
+   (a host or disk hit needs a fresh device block too) fit beside those the running requests still
+   need for their pending tokens, leaving ``int(watermark * num_blocks)`` blocks free; when nothing
+   runs they only have to fit. The first that does not fit stops admission.
 2. Budget: every running request with one token to compute (decoding) gets that token; the
    requests still prefilling share the rest of ``max_batched_tokens`` in arrival order, each taking
    a chunk of min(its remaining tokens, what is left of the budget).
@@ -57,17 +62,26 @@ True
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .cache import check_int
 from .generate import _check_sampling, sample_next
 from .paged import PagedKVCache
 
-__all__ = ["Engine", "EngineConfig", "Request"]
+__all__ = ["Engine", "EngineConfig", "Request", "TIER_COUNTERS"]
+
+# What the tiered prefix store counts (Engine.tier_stats, and per step in event["tiers"]): blocks
+# found in the host / disk tier, blocks moved down (device -> host, host -> disk) or dropped off the
+# end, and the bytes each move copied.
+TIER_COUNTERS = ("host_hits", "disk_hits", "to_host", "to_disk", "dropped",
+                 "bytes_to_host", "bytes_to_disk", "bytes_from_host", "bytes_from_disk")
 
 
 @dataclass
@@ -79,10 +93,25 @@ class EngineConfig:
     preemption: str = "recompute"  # "recompute": drop the blocks, prefill again; "swap": copy to host and back
     watermark: float = 0.01  # fraction of the pool admission leaves free for running requests to grow
     prefix_caching: bool = True  # share full blocks of identical prefixes, also from finished requests
+    host_blocks: int = 0  # evicted prefix blocks kept in host memory (LRU); 0: no host tier
+    disk_dir: str | None = None  # folder for the disk tier's block files (one safetensors file per block)
+    disk_blocks: int = 0  # most block files kept in disk_dir (the oldest is deleted); 0: no disk tier
 
     def __post_init__(self):
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
             setattr(self, name, check_int(name, getattr(self, name)))
+        for name in ("host_blocks", "disk_blocks"):
+            setattr(self, name, check_int(name, getattr(self, name), minimum=0))
+        if self.disk_dir is not None:
+            self.disk_dir = os.fspath(self.disk_dir)
+        if self.disk_blocks and self.disk_dir is None:
+            raise ValueError(f"disk_blocks={self.disk_blocks} needs disk_dir, the folder for the block files")
+        if self.disk_dir is not None and not self.disk_blocks:
+            raise ValueError(f"disk_dir={self.disk_dir!r} is set but disk_blocks is 0: give disk_blocks >= 1 "
+                             "(the most block files to keep), or leave disk_dir out")
+        if self.tiered and not self.prefix_caching:
+            raise ValueError("host_blocks / disk_blocks keep evicted prefix-cache blocks: "
+                             "they need prefix_caching=True")
         if self.max_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running request decodes one token per step")
@@ -95,6 +124,10 @@ class EngineConfig:
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_blocks)
+
+    @property
+    def tiered(self) -> bool:
+        return bool(self.host_blocks or self.disk_blocks)
 
 
 @dataclass
@@ -113,6 +146,8 @@ class Request:
     host: list | None = None  # swapped-out K/V: per layer (k, v), each (n_blocks, block_size, H_KV, D)
     preemptions: int = 0
     cached_tokens: int = 0  # positions served by the prefix cache instead of computed (all admissions)
+    cached_tokens_host: int = 0  # of cached_tokens, those copied back from the host tier
+    cached_tokens_disk: int = 0  # of cached_tokens, those read back from the disk tier
     arrival_step: int = 0  # logical clock: the step during which the request was added
     admitted_step: int | None = None
     first_token_step: int | None = None
@@ -154,9 +189,10 @@ class Engine:
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, *, max_num_seqs: int = 8,
                  max_batched_tokens: int = 64, preemption: str = "recompute", watermark: float = 0.01,
-                 prefix_caching: bool = True, kernels: str | None = None):
+                 prefix_caching: bool = True, kernels: str | None = None, host_blocks: int = 0,
+                 disk_dir: str | None = None, disk_blocks: int = 0):
         self.config = EngineConfig(num_blocks, block_size, max_num_seqs, max_batched_tokens, preemption,
-                                   watermark, prefix_caching)
+                                   watermark, prefix_caching, host_blocks, disk_dir, disk_blocks)
         self.model = model
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kernels=kernels,
                                             prefix_caching=prefix_caching)
@@ -164,7 +200,12 @@ class Engine:
         self.waiting: list[Request] = []  # sorted by id
         self.swapped: list[Request] = []  # sorted by id
         self.running: list[Request] = []  # sorted by id
-        self.retained: OrderedDict = OrderedDict()  # block id -> None: finished requests' blocks we hold (LRU first)
+        self.retained: OrderedDict = OrderedDict()  # block id -> its tokens: finished requests' blocks (LRU first)
+        self.host: OrderedDict = OrderedDict()  # host tier: hash -> (tokens, k, v), k/v (n_layers, block_size, H_KV, D)
+        self.disk: OrderedDict = OrderedDict()  # disk tier: hash -> tokens, the K/V in the block's file (oldest first)
+        self.tier_stats = dict.fromkeys(TIER_COUNTERS, 0)  # totals since the start (see TIER_COUNTERS)
+        if self.config.disk_dir is not None:
+            os.makedirs(self.config.disk_dir, exist_ok=True)
         self.clock = 0  # steps taken
         self.events: list[dict] = []  # one dict per step (see step())
 
@@ -218,19 +259,26 @@ class Engine:
         return {i: list(r.output) for i, r in self.requests.items()}
 
     def drop_prefix_cache(self) -> int:
-        """Forget the blocks kept for finished requests (those no running request shares); how many."""
+        """Forget the blocks kept for finished requests (those no running request shares), and empty the
+        host and disk tiers; returns how many device blocks were dropped."""
         n = len(self._evictable())
-        self._evict(-n)
+        self._evict(-n, demote=False)
+        self.host.clear()
+        while self.disk:
+            os.remove(self._block_file(self.disk.popitem()[0]))
         return n
 
     def metrics(self, request_id: int) -> dict:
-        """Times in steps (the logical clock) and seconds: queue, TTFT, TPOT; preemptions, cached tokens."""
+        """Times in steps (the logical clock) and seconds: queue, TTFT, TPOT; preemptions, cached tokens
+        (in all, and by the tier they came from: device pool, host, disk)."""
         r = self.requests[request_id]
         n = len(r.output)
         done = r.finish_step is not None
         return dict(
             state=r.state, prompt_tokens=len(r.prompt), new_tokens=n, preemptions=r.preemptions,
             cached_tokens=r.cached_tokens,
+            cached_tokens_device=r.cached_tokens - r.cached_tokens_host - r.cached_tokens_disk,
+            cached_tokens_host=r.cached_tokens_host, cached_tokens_disk=r.cached_tokens_disk,
             queue_steps=None if r.admitted_step is None else r.admitted_step - r.arrival_step,
             ttft_steps=None if r.first_token_step is None else r.first_token_step - r.arrival_step + 1,
             tpot_steps=(r.finish_step - r.first_token_step) / (n - 1) if done and n > 1 else None,
@@ -247,9 +295,11 @@ class Engine:
         ``admitted``, ``swapped_in``, ``preempted``, ``finished``; ``scheduled`` {id: tokens computed};
         ``prefill_tokens``, ``decode_tokens``; after the step, counts ``running``, ``waiting``,
         ``swapped``, ``free_blocks`` (in the allocator), ``cached_blocks`` (kept for finished
-        requests); ``wall_s``."""
+        requests); ``wall_s``; with a host or disk tier also ``tiers``: this step's TIER_COUNTERS and the
+        blocks held after it, ``host_blocks`` and ``disk_blocks``."""
         ev = dict(step=self.clock, admitted=[], swapped_in=[], preempted=[], finished=[], scheduled={},
                   prefill_tokens=0, decode_tokens=0)
+        before = dict(self.tier_stats)
         t0 = time.perf_counter()
         try:
             self._admit(ev)
@@ -273,6 +323,9 @@ class Engine:
             ev.update(running=len(self.running), waiting=len(self.waiting), swapped=len(self.swapped),
                       free_blocks=self.cache.allocator.num_free, cached_blocks=len(self.retained),
                       wall_s=time.perf_counter() - t0)
+            if self.config.tiered:
+                ev["tiers"] = {k: self.tier_stats[k] - before[k] for k in TIER_COUNTERS}
+                ev["tiers"].update(host_blocks=len(self.host), disk_blocks=len(self.disk))
             self.events.append(ev)
             self.clock += 1
         return ev
@@ -290,9 +343,17 @@ class Engine:
             r = self.waiting[0]
             cached = self.cache.add_sequence(r.id, r.tokens)  # shares the cached prefix blocks
             table = self.cache.tables[r.id]
-            if not self._fits(-(-len(r.tokens) // self.config.block_size) - len(table)):
+            plan = self._tier_lookup(r) if self.config.tiered else []  # the lookup goes on in host, disk
+            shared = len(table) + sum(tier == "device" for tier, *_ in plan)
+            if not self._fits(-(-len(r.tokens) // self.config.block_size) - shared):  # tier hits need blocks
+                for tier, b, *_ in plan:
+                    if tier == "device":
+                        self.cache.allocator.free(b)
                 self.cache.free_sequence(r.id)  # undo: drops the shared references again
                 break
+            if plan:
+                self._tier_fetch(r, plan)
+                cached = self.cache.lens[r.id]
             for b in table:
                 if b in self.retained:
                     self.retained.move_to_end(b)  # recently used
@@ -380,22 +441,26 @@ class Engine:
 
     def _retain(self, seq_id):
         """Keep one reference to each of seq_id's full, findable blocks, so later requests hit them."""
-        c = self.cache
-        for b in reversed(c.tables[seq_id]):  # the first block ends most recently used: evicted last
-            h = c.block_hash.get(b)
+        c, bs = self.cache, self.config.block_size
+        table, tokens = c.tables[seq_id], c.tokens[seq_id]
+        for i in reversed(range(len(table))):  # the first block ends most recently used: evicted last
+            b, h = table[i], c.block_hash.get(table[i])
             if h is not None and c.hash_to_block.get(h) == b:
                 if b not in self.retained:
                     c.allocator.share(b)
-                    self.retained[b] = None
+                    self.retained[b] = tuple(tokens[i * bs: (i + 1) * bs])
                 self.retained.move_to_end(b)
 
-    def _evict(self, surplus: int):
-        """Drop retained blocks (least recently used first) until ``surplus`` (free - needed) >= 0."""
+    def _evict(self, surplus: int, demote: bool = True):
+        """Drop retained blocks (least recently used first) until ``surplus`` (free - needed) >= 0;
+        with a host or disk tier (and ``demote``) each goes there first."""
         c = self.cache
         for b in self._evictable():
             if surplus >= 0:
                 break
-            del self.retained[b]
+            tokens = self.retained.pop(b)
+            if demote and self.config.tiered:
+                self._demote(b, tokens)
             c.allocator.free(b)  # its last reference: back to the pool, its hash forgotten
             h = c.block_hash.pop(b, None)
             if h is not None and c.hash_to_block.get(h) == b:
@@ -442,3 +507,118 @@ class Engine:
         c.tables[r.id], c.lens[r.id], c.tokens[r.id] = blocks, r.computed, r.tokens[: r.computed]
         r.host, r.state = None, "running"
         bisect.insort(self.running, r, key=lambda x: x.id)
+
+    # ---- the tiered prefix store: host memory, then disk --------------------------------
+
+    def _block_file(self, h: int) -> str:
+        return os.path.join(self.config.disk_dir, f"block_{h & (2**64 - 1):016x}.safetensors")
+
+    def _demote(self, b: int, tokens: tuple):
+        """Copy device block b's K/V (every layer) into the host tier, under its chained hash."""
+        c = self.cache
+        pin = torch.device(c.device).type == "cuda"  # pinned host memory copies fast, asynchronously
+        shape = (len(c.k),) + c.k[0].shape[1:]  # (n_layers, block_size, H_KV, D)
+        k, v = (torch.empty(shape, dtype=c.k[0].dtype, pin_memory=pin) for _ in range(2))
+        for layer, (pool_k, pool_v) in enumerate(zip(c.k, c.v)):
+            k[layer].copy_(pool_k[b])
+            v[layer].copy_(pool_v[b])
+        h = c.block_hash[b]
+        if self.disk.pop(h, None) is not None:  # one copy below the device pool at most
+            os.remove(self._block_file(h))
+        self.tier_stats["to_host"] += 1
+        self.tier_stats["bytes_to_host"] += k.nbytes + v.nbytes
+        self.host[h] = (tokens, k, v)
+        self.host.move_to_end(h)
+        while len(self.host) > self.config.host_blocks:  # the least recently used goes down to disk
+            h_old, (tokens_old, k_old, v_old) = self.host.popitem(last=False)
+            self._to_disk(h_old, tokens_old, k_old, v_old)
+
+    def _to_disk(self, h: int, tokens: tuple, k, v):
+        if not self.config.disk_blocks:
+            self.tier_stats["dropped"] += 1
+            return
+        save_file({"k": k.contiguous(), "v": v.contiguous()}, self._block_file(h),
+                  metadata={"hash": str(h), "tokens": ",".join(map(str, tokens))})  # safetensors: no pickle
+        self.tier_stats["to_disk"] += 1
+        self.tier_stats["bytes_to_disk"] += k.nbytes + v.nbytes
+        self.disk[h] = tokens
+        while len(self.disk) > self.config.disk_blocks:  # the oldest file is deleted
+            os.remove(self._block_file(self.disk.popitem(last=False)[0]))
+            self.tier_stats["dropped"] += 1
+
+    def _read_disk(self, h: int):
+        """Take block h out of the disk tier: (k, v) on the CPU; its file is deleted."""
+        path = self._block_file(h)
+        with safe_open(path, framework="pt") as f:
+            meta, k, v = f.metadata(), f.get_tensor("k"), f.get_tensor("v")
+        if meta.get("hash") != str(h) or meta.get("tokens") != ",".join(map(str, self.disk[h])):
+            raise RuntimeError(f"{path} does not hold the block the disk tier expects (hash {h})")
+        del self.disk[h]
+        os.remove(path)
+        return k, v
+
+    def _tier_lookup(self, r) -> list:
+        """Go on with r's prefix lookup past the device pool's first miss, block by block on the chained
+        hashes: the device pool again (a block after a host hit may still be there), host, disk. Returns
+        [(tier, device block or None, hash, tokens)] in block order; device blocks found are shared at
+        once (no eviction can take them) and are freed again if r is not admitted."""
+        c, bs, tokens = self.cache, self.config.block_size, r.tokens
+        parent = None
+        for i in range(len(c.tables[r.id])):  # the chained hash of the blocks add_sequence shared
+            parent = hash((parent, tuple(tokens[i * bs: (i + 1) * bs])))
+        plan = []
+        for i in range(len(c.tables[r.id]), (len(tokens) - 1) // bs):  # the last prompt token is computed
+            block_tokens = tuple(tokens[i * bs: (i + 1) * bs])
+            h = hash((parent, block_tokens))
+            if h in c.hash_to_block:
+                b = c.hash_to_block[h]
+                c.allocator.share(b)
+                plan.append(("device", b, h, block_tokens))
+            elif h in self.host and self.host[h][0] == block_tokens:
+                plan.append(("host", None, h, block_tokens))
+            elif self.disk.get(h) == block_tokens:
+                plan.append(("disk", None, h, block_tokens))
+            else:
+                break
+            parent = h
+        return plan
+
+    def _tier_fetch(self, r, plan):
+        """Admit r's tier hits: take them out of host and disk, give each a device block (evicting,
+        maybe demoting, retained ones), copy the K/V in and register the hash as the prefix cache does."""
+        c, bs = self.cache, self.config.block_size
+        fetched = {}
+        try:  # first out of their tiers, so that the demotions below cannot push them out
+            for tier, _, h, _ in plan:
+                if tier == "disk":
+                    fetched[h] = self._read_disk(h)
+            for tier, _, h, _ in plan:
+                if tier == "host":
+                    fetched[h] = self.host.pop(h)[1:]
+        except BaseException:  # e.g. an unreadable block file: r stays waiting, holding nothing
+            for tier, b, *_ in plan:
+                if tier == "device":
+                    c.allocator.free(b)
+            c.free_sequence(r.id)
+            raise
+        for tier, _, h, _ in plan:
+            if tier != "device":
+                self.tier_stats[f"{tier}_hits"] += 1
+                self.tier_stats[f"bytes_from_{tier}"] += sum(t.nbytes for t in fetched[h])
+        self._evict(c.allocator.num_free - len(fetched))
+        fresh = c.allocator.allocate(len(fetched))
+        for tier, b, h, block_tokens in plan:
+            if tier != "device":
+                b, (k, v) = fresh.pop(0), fetched[h]
+                for layer, (pool_k, pool_v) in enumerate(zip(c.k, c.v)):
+                    pool_k[b].copy_(k[layer], non_blocking=k.is_pinned())
+                    pool_v[b].copy_(v[layer], non_blocking=v.is_pinned())
+                c.block_hash[b] = h
+                c.hash_to_block[h] = b
+                if tier == "host":
+                    r.cached_tokens_host += bs
+                else:
+                    r.cached_tokens_disk += bs
+            c.tables[r.id].append(b)
+            c.tokens[r.id] += list(block_tokens)
+            c.lens[r.id] += bs

@@ -3,9 +3,11 @@ whatever the mix; the block pool never leaks a block or hands one out twice."""
 
 import copy
 import doctest
+import os
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import kvlib.engine
 from kvlib.engine import Engine
@@ -349,3 +351,166 @@ else:
             assert out[ids[k]] == want
         engine.drop_prefix_cache()
         assert engine.cache.allocator.num_free == num_blocks and not engine.retained
+
+
+# ---- the tiered prefix store: host memory, then disk --------------------------------------
+
+
+def check_tiers(engine):
+    """The host tier holds at most host_blocks blocks, the disk tier exactly its files (at most
+    disk_blocks of them); a block lives in at most one of the two, each with one block of tokens."""
+    cfg, bs = engine.config, engine.config.block_size
+    assert len(engine.host) <= cfg.host_blocks and len(engine.disk) <= cfg.disk_blocks
+    assert not set(engine.host) & set(engine.disk)
+    for tokens, k, v in engine.host.values():
+        assert len(tokens) == bs and k.shape == v.shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
+    if cfg.disk_dir is not None:
+        files = {f for f in os.listdir(cfg.disk_dir) if f.endswith(".safetensors")}
+        assert files == {os.path.basename(engine._block_file(h)) for h in engine.disk}
+        assert all(len(tokens) == bs for tokens in engine.disk.values())
+
+
+def rag_workload(seed=15):
+    """3 documents of 6 blocks (block_size 4), 9 requests cycling through them with a short question
+    each: a pool of 12 blocks cannot keep a document until it comes back."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(64, (24,), generator=g).tolist() for _ in range(3)]
+    return docs, [docs[i % 3] + torch.randint(64, (3 + i % 4,), generator=g).tolist() for i in range(9)]
+
+
+def run_rag(model, prompts, **kw):
+    engine = Engine(model, num_blocks=12, block_size=4, max_num_seqs=2, max_batched_tokens=16, **kw)
+    ids = [engine.add_request(p, 4) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        check_pool(engine)
+        if engine.config.tiered:
+            check_tiers(engine)
+    return engine, ids
+
+
+def tier_sums(engine, ids):
+    return {t: sum(engine.metrics(i)[f"cached_tokens_{t}"] for i in ids) for t in ("device", "host", "disk")}
+
+
+def test_host_tier_brings_evicted_prefix_blocks_back(model):
+    docs, prompts = rag_workload()
+    want = [alone(model, p, 4) for p in prompts]
+    plain, ids0 = run_rag(model, prompts)
+    tiered, ids = run_rag(model, prompts, host_blocks=24)
+    assert [tiered.requests[i].output for i in ids] == want == [plain.requests[i].output for i in ids0]
+    assert all("tiers" not in ev for ev in plain.events) and not plain.host  # off by default
+    hits = tier_sums(tiered, ids)
+    assert hits["host"] > 0 and hits["disk"] == 0 and tiered.tier_stats["host_hits"] * 4 == hits["host"]
+    assert sum(tiered.metrics(i)["cached_tokens"] for i in ids) == sum(hits.values())
+    computed = [sum(ev["prefill_tokens"] for ev in e.events) for e in (plain, tiered)]
+    assert computed[1] < computed[0] - hits["host"] // 2, computed
+    stats, per_step = tiered.tier_stats, [ev["tiers"] for ev in tiered.events]
+    for key in stats:
+        assert sum(s[key] for s in per_step) == stats[key], key
+    block_bytes = 2 * len(tiered.cache.k) * tiered.cache.k[0][0].nbytes  # K and V of every layer
+    assert stats["bytes_to_host"] == stats["to_host"] * block_bytes
+    assert stats["bytes_from_host"] == stats["host_hits"] * block_bytes
+    # a document alone as the prompt, all 6 blocks in the host tier: its last block is still computed
+    tiered.drop_prefix_cache()
+    r = tiered.add_request(docs[0] + [7], 2)
+    tiered.run()
+    tiered._evict(-len(tiered._evictable()))  # demote its blocks to the host tier
+    assert not tiered.retained and len(tiered.host) == 6
+    r = tiered.add_request(docs[0], 3)
+    assert tiered.run()[r] == alone(model, docs[0], 3)
+    assert tiered.metrics(r)["cached_tokens_host"] == 20 and tiered.metrics(r)["cached_tokens_device"] == 0
+    check_pool(tiered)
+
+
+def test_disk_tier_round_trips_blocks_through_safetensors_files(model, tmp_path):
+    _, prompts = rag_workload()
+    want = [alone(model, p, 4) for p in prompts]
+    host_only, _ = run_rag(model, prompts, host_blocks=4)
+    engine, ids = run_rag(model, prompts, host_blocks=4, disk_dir=tmp_path / "kv", disk_blocks=10)
+    assert [engine.requests[i].output for i in ids] == want
+    hits, stats = tier_sums(engine, ids), engine.tier_stats
+    assert hits["disk"] > 0 and stats["disk_hits"] > 0 and stats["to_disk"] > 0
+    assert stats["dropped"] > 0  # the oldest files were deleted to stay within disk_blocks
+    files = sorted((tmp_path / "kv").iterdir())
+    assert 0 < len(files) <= 10 and all(f.suffix == ".safetensors" for f in files)
+    assert max(ev["tiers"]["disk_blocks"] for ev in engine.events) == 10
+    assert tier_sums(host_only, ids)["host"] < hits["host"] + hits["disk"]  # the disk kept what host had to drop
+    with safe_open(str(files[0]), framework="pt") as f:  # a plain safetensors file: K and V, hash and tokens
+        assert set(f.keys()) == {"k", "v"} and set(f.metadata()) == {"hash", "tokens"}
+        assert f.get_tensor("k").shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
+    engine.drop_prefix_cache()
+    assert not list((tmp_path / "kv").iterdir()) and not engine.host and not engine.disk
+
+
+def test_admission_counts_the_blocks_a_tier_hit_needs(model):
+    doc = list(range(20, 36))  # 4 blocks of 4
+    engine = Engine(model, num_blocks=8, block_size=4, watermark=0.0, host_blocks=8)
+    engine.add_request(doc + [1], 2)
+    engine.run()
+    engine._evict(-len(engine._evictable()))  # the document's 4 blocks: device -> host
+    assert len(engine.host) == 4 and engine.cache.allocator.num_free == 8
+    b = engine.add_request(list(range(40, 57)), 3)  # 17 tokens: 5 blocks, leaving 3
+    assert engine.step()["admitted"] == [b]
+    c = engine.add_request(doc + [2], 3)  # 4 blocks from the host + 1: does not fit beside b
+    while engine.requests[b].state != "finished":
+        assert c not in engine.step()["admitted"]
+        check_pool(engine)
+        check_tiers(engine)
+    out = engine.run()
+    assert out[c] == alone(model, doc + [2], 3) and engine.metrics(c)["cached_tokens_host"] == 16
+    check_pool(engine)
+
+
+def test_bad_tier_settings_are_refused(model, tmp_path):
+    with pytest.raises(ValueError, match="host_blocks must be >= 0, got -1"):
+        Engine(model, 8, host_blocks=-1)
+    with pytest.raises(ValueError, match="disk_blocks must be >= 0, got -2"):
+        Engine(model, 8, disk_blocks=-2, disk_dir=tmp_path)
+    with pytest.raises(ValueError, match="disk_blocks=4 needs disk_dir"):
+        Engine(model, 8, disk_blocks=4)
+    with pytest.raises(ValueError, match="disk_blocks is 0"):
+        Engine(model, 8, disk_dir=tmp_path)
+    with pytest.raises(ValueError, match="need prefix_caching=True"):
+        Engine(model, 8, host_blocks=4, prefix_caching=False)
+    with pytest.raises(TypeError, match="host_blocks must be an int"):
+        Engine(model, 8, host_blocks=2.5)
+
+
+if st is not None:
+    # requests spread over time, so that finished ones leave blocks to evict and later ones to find
+    tier_request_st = st.tuples(st.integers(0, 24), st.sampled_from(BASES), st.lists(st.integers(0, 63), max_size=3),
+                                st.integers(1, 4), st.sampled_from([0.0, 1.0]))
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(num_blocks=st.integers(4, 8), max_num_seqs=st.integers(1, 3),
+           preemption=st.sampled_from(["recompute", "swap"]),
+           host_blocks=st.integers(0, 6), disk_blocks=st.integers(0, 4), push_every=st.integers(1, 4),
+           requests=st.lists(tier_request_st, min_size=3, max_size=8))
+    def test_random_traces_with_tiers_match_generate(model, tmp_path_factory, num_blocks, max_num_seqs, preemption,
+                                                     host_blocks, disk_blocks, push_every, requests):
+        """Random small pools with host and disk tiers, and every few steps all evictable device blocks
+        pushed down a tier (as a busier pool would): the pool and tier invariants hold after every step
+        and every request gets the tokens it gets alone."""
+        disk_dir = tmp_path_factory.mktemp("kv") if disk_blocks else None
+        engine = Engine(model, num_blocks, 2, max_num_seqs=max_num_seqs, max_batched_tokens=max_num_seqs + 4,
+                        preemption=preemption, watermark=0.0, disk_dir=disk_dir, disk_blocks=disk_blocks,
+                        host_blocks=host_blocks if host_blocks or disk_blocks else 1)  # some tier, always
+        expected, ids = {}, {}
+        for i, (at, base, tail, n, temperature) in enumerate(requests):
+            if -(-(len(base + tail) + n - 1) // 2) <= num_blocks:
+                expected[i] = alone(model, base + tail, n, temperature=temperature, seed=i if temperature else None)
+        for step in range(300):
+            for i, (at, base, tail, n, temperature) in enumerate(requests):
+                if at == step and i in expected:
+                    ids[i] = engine.add_request(base + tail, n, temperature, seed=i)
+            if not engine.has_unfinished() and step > 24:
+                break
+            if step % push_every == 0:
+                engine._evict(-len(engine._evictable()))  # device -> host (-> disk)
+            engine.step()
+            check_pool(engine)
+            check_tiers(engine)
+        assert not engine.has_unfinished()
+        for i, want in expected.items():
+            assert engine.requests[ids[i]].output == want
