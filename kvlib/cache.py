@@ -324,7 +324,7 @@ def pick_kernels(kernels, device="cuda"):
 
 
 def _check_store_args(k_cache, v_cache, k_new, v_new, start, cache_dtype=None, names=("k_cache", "v_cache")):
-    """Shapes, dtypes, devices of a store (cache_dtype: the caches' dtype when it is not k_new's;
+    """Shapes, dtypes, devices and positions of a store (cache_dtype: the caches' dtype when it is not k_new's;
     names: what the caller calls its two caches, for the messages)."""
     kc, vc = names
     for name, t in ((kc, k_cache), (vc, v_cache), ("k_new", k_new), ("v_new", v_new), ("start", start)):
@@ -348,6 +348,9 @@ def _check_store_args(k_cache, v_cache, k_new, v_new, start, cache_dtype=None, n
         raise ValueError(f"start must be a (B={B},) int32/int64 tensor, got {tuple(start.shape)} {start.dtype}")
     if len({t.device for t in (k_cache, v_cache, k_new, v_new, start)}) != 1:
         raise ValueError(f"{kc}, {vc}, k_new, v_new and start must be on one device")
+    lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
+    if lo < 0 or hi + T > k_cache.shape[2]:
+        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
 
 
 def store_kv_ref(k_cache, v_cache, k_new, v_new, start):
@@ -359,10 +362,6 @@ def store_kv_ref(k_cache, v_cache, k_new, v_new, start):
     [0.0, 1.0, 1.0, 0.0]
     """
     _check_store_args(k_cache, v_cache, k_new, v_new, start)
-    T = k_new.shape[2]
-    lo, hi = torch.stack([start.min(), start.max()]).tolist()
-    if lo < 0 or hi + T > k_cache.shape[2]:
-        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
     for b in range(k_new.shape[0]):
         s = int(start[b])
         k_cache[b, :, s: s + k_new.shape[2]] = k_new[b]
@@ -409,9 +408,6 @@ def store_kv(k_cache, v_cache, k_new, v_new, start):
     """
     _check_store_args(k_cache, v_cache, k_new, v_new, start)
     B, H_KV, T, D = k_new.shape
-    lo, hi = torch.stack([start.min(), start.max()]).tolist()  # one host read
-    if lo < 0 or hi + T > k_cache.shape[2]:
-        raise ValueError(f"writing T={T} rows from start {start.tolist()} runs past S_max={k_cache.shape[2]}")
     check_kernel_dtype("cache.store_kv", "k_new", k_new)  # the caches share its dtype (checked above)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must share strides and be contiguous along D")

@@ -72,8 +72,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .cache import check_int
-from .generate import _check_sampling, sample_next
-from .paged import PagedKVCache
+from .generate import _check_sampling, check_prompt_fits, sample_next
+from .paged import PagedKVCache, chained_block_hashes
 
 __all__ = ["Engine", "EngineConfig", "Request", "TIER_COUNTERS"]
 
@@ -222,14 +222,10 @@ class Engine:
         prompt = [check_int("prompt_ids token", t, minimum=0) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token, got []")
-        V, context, bs = self.model.config.vocab_size, self.model.config.max_seq_len, self.config.block_size
-        if max(prompt) >= V:
-            raise ValueError(f"prompt_ids holds token {max(prompt)}, outside the model's vocabulary 0..{V - 1}")
+        V, bs = self.model.config.vocab_size, self.config.block_size
         max_new_tokens = check_int("max_new_tokens", max_new_tokens)
+        check_prompt_fits(self.model, prompt, max_new_tokens, "prompt_ids")
         total = len(prompt) + max_new_tokens
-        if total > context:
-            raise ValueError(f"prompt_ids ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
-                             f"tokens exceeds the model's context of {context} (config.max_seq_len)")
         blocks = -(-(total - 1) // bs)  # the last new token is never stored
         if blocks > self.config.num_blocks:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) needs "
@@ -348,7 +344,7 @@ class Engine:
             if not self._fits(-(-len(r.tokens) // self.config.block_size) - shared):  # tier hits need blocks
                 for tier, b, *_ in plan:
                     if tier == "device":
-                        self.cache.allocator.free(b)
+                        self.cache.release_block(b)
                 self.cache.free_sequence(r.id)  # undo: drops the shared references again
                 break
             if plan:
@@ -461,10 +457,7 @@ class Engine:
             tokens = self.retained.pop(b)
             if demote and self.config.tiered:
                 self._demote(b, tokens)
-            c.allocator.free(b)  # its last reference: back to the pool, its hash forgotten
-            h = c.block_hash.pop(b, None)
-            if h is not None and c.hash_to_block.get(h) == b:
-                del c.hash_to_block[h]
+            c.release_block(b)  # its last reference: back to the pool, its hash forgotten
             surplus += 1
 
     def _preempt(self, r, ev):
@@ -563,13 +556,10 @@ class Engine:
         [(tier, device block or None, hash, tokens)] in block order; device blocks found are shared at
         once (no eviction can take them) and are freed again if r is not admitted."""
         c, bs, tokens = self.cache, self.config.block_size, r.tokens
-        parent = None
-        for i in range(len(c.tables[r.id])):  # the chained hash of the blocks add_sequence shared
-            parent = hash((parent, tuple(tokens[i * bs: (i + 1) * bs])))
+        hashes = chained_block_hashes(tokens, bs, (len(tokens) - 1) // bs)  # the last prompt token is computed
         plan = []
-        for i in range(len(c.tables[r.id]), (len(tokens) - 1) // bs):  # the last prompt token is computed
-            block_tokens = tuple(tokens[i * bs: (i + 1) * bs])
-            h = hash((parent, block_tokens))
+        for i in range(len(c.tables[r.id]), len(hashes)):  # past the blocks add_sequence shared
+            block_tokens, h = tuple(tokens[i * bs: (i + 1) * bs]), hashes[i]
             if h in c.hash_to_block:
                 b = c.hash_to_block[h]
                 c.allocator.share(b)
@@ -580,7 +570,6 @@ class Engine:
                 plan.append(("disk", None, h, block_tokens))
             else:
                 break
-            parent = h
         return plan
 
     def _tier_fetch(self, r, plan):
@@ -598,7 +587,7 @@ class Engine:
         except BaseException:  # e.g. an unreadable block file: r stays waiting, holding nothing
             for tier, b, *_ in plan:
                 if tier == "device":
-                    c.allocator.free(b)
+                    c.release_block(b)
             c.free_sequence(r.id)
             raise
         for tier, _, h, _ in plan:

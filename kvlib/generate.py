@@ -42,15 +42,21 @@ def _check_generate_args(model, ids, max_new_tokens, temperature, top_k) -> list
     _check_sampling(temperature, top_k)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
     prompts = prompt_lists(ids)
-    V, context = model.config.vocab_size, model.config.max_seq_len
     for b, p in enumerate(prompts):
-        if max(p) >= V:
-            raise ValueError(f"ids: prompt {b} holds token {max(p)}, outside the model's vocabulary 0..{V - 1}")
-        if len(p) + max_new_tokens > context:
-            raise ValueError(f"prompt {b} ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                             f"{len(p) + max_new_tokens} tokens exceeds the model's context of {context} "
-                             "(config.max_seq_len)")
+        check_prompt_fits(model, p, max_new_tokens, f"ids: prompt {b}")
     return prompts
+
+
+def check_prompt_fits(model, prompt: list[int], max_new_tokens: int, what: str) -> None:
+    """Refuse a prompt with a token outside the model's vocabulary, or one that with its new tokens
+    would run past the model's context (``what`` names the prompt in the message)."""
+    V, context = model.config.vocab_size, model.config.max_seq_len
+    if max(prompt) >= V:
+        raise ValueError(f"{what} holds token {max(prompt)}, outside the model's vocabulary 0..{V - 1}")
+    if len(prompt) + max_new_tokens > context:
+        raise ValueError(f"{what} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = "
+                         f"{len(prompt) + max_new_tokens} tokens exceeds the model's context of {context} "
+                         "(config.max_seq_len)")
 
 
 def pad_prompts(prompts, pad_id: int = 0, device=None):

@@ -482,10 +482,16 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
             f"{folder}: missing tensor(s) {miss[:5]}{' ...' if len(miss) > 5 else ''} "
             f"(expected shape {tuple(expected[missing[0]].shape)} for {miss[0]!r}) in {[f.name for f in files]}"
         )
+    return fill_meta_model(model, state, dtype, device)
+
+
+def fill_meta_model(model: Transformer, state: dict, dtype: torch.dtype, device) -> Transformer:
+    """A model built on the meta device, given real storage on ``device`` and every tensor of ``state``
+    (checked complete by the caller): the RoPE table rebuilt in fp32, tied embeddings tied again."""
     model = model.to_empty(device=device)
-    model.load_state_dict(state, strict=True, assign=False)
-    model.inv_freq = rope_frequencies(config).to(device)
-    if config.tie_embeddings:
+    model.load_state_dict(state, strict=True)
+    model.inv_freq = rope_frequencies(model.config).to(device)  # a buffer, not in any file
+    if model.config.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
     return model.to(dtype).eval()
 

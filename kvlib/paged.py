@@ -297,6 +297,16 @@ def store_paged(k_blocks, v_blocks, k_new, v_new, slots):
 # --------------------------------------------------------------------------------------------
 
 
+def chained_block_hashes(tokens, block_size: int, n_blocks: int) -> list[int]:
+    """The prefix-cache key of each of the first ``n_blocks`` full blocks of ``tokens``: block i's hash
+    chains block i - 1's, so equal hashes mean equal *prefixes*, not only equal blocks."""
+    hashes, parent = [], None
+    for i in range(n_blocks):
+        parent = hash((parent, tuple(tokens[i * block_size: (i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
 class PagedKVCache:
     """A block pool per layer plus, per sequence, a block table and a length.
 
@@ -374,9 +384,9 @@ class PagedKVCache:
         self.tables[seq_id], self.lens[seq_id], self.tokens[seq_id] = [], 0, []
         if not self.prefix_caching:
             return 0
-        tokens, bs, parent = list(prompt_tokens), self.block_size, None
-        for i in range((len(tokens) - 1) // bs):  # full blocks, leaving at least one token to compute
-            h = hash((parent, tuple(tokens[i * bs: (i + 1) * bs])))
+        tokens, bs = list(prompt_tokens), self.block_size
+        # full blocks, leaving at least one token to compute
+        for i, h in enumerate(chained_block_hashes(tokens, bs, (len(tokens) - 1) // bs)):
             block = self.hash_to_block.get(h)
             if block is None:
                 break
@@ -384,7 +394,6 @@ class PagedKVCache:
             self.tables[seq_id].append(block)
             self.tokens[seq_id] += tokens[i * bs: (i + 1) * bs]
             self.lens[seq_id] += bs
-            parent = h
         return self.lens[seq_id]
 
     def fork(self, parent, child):
@@ -402,11 +411,18 @@ class PagedKVCache:
         """Drop the sequence and its references to its blocks (blocks no one else holds go back to the pool)."""
         self._known(seq_id, "free_sequence")
         for block in self.tables.pop(seq_id):
-            if self.allocator.free(block):
-                h = self.block_hash.pop(block, None)
-                if h is not None and self.hash_to_block.get(h) == block:
-                    del self.hash_to_block[h]
+            self.release_block(block)
         del self.lens[seq_id], self.tokens[seq_id]
+
+    def release_block(self, block: int) -> bool:
+        """Drop one reference to ``block``; on the last one it goes back to the pool and its prefix hash
+        is forgotten (so no later lookup finds a free block). True if it was freed."""
+        if not self.allocator.free(block):
+            return False
+        h = self.block_hash.pop(block, None)
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        return True
 
     def blocks_needed(self, seq_id, n_new: int) -> int:
         """New blocks that appending n_new tokens takes, counting a copy-on-write of a shared last block."""
@@ -454,13 +470,10 @@ class PagedKVCache:
         bs, toks, table = self.block_size, self.tokens[seq_id], self.tables[seq_id]
         if not self.prefix_caching or len(toks) != self.lens[seq_id]:
             return
-        parent = None
-        for i in range(self.lens[seq_id] // bs):
-            h = hash((parent, tuple(toks[i * bs: (i + 1) * bs])))
+        for i, h in enumerate(chained_block_hashes(toks, bs, self.lens[seq_id] // bs)):
             if table[i] not in self.block_hash:
                 self.block_hash[table[i]] = h
                 self.hash_to_block.setdefault(h, table[i])
-            parent = h
 
     def block_table_tensor(self, seq_ids) -> torch.Tensor:
         width = max(len(self.tables[s]) for s in seq_ids)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .model import CheckpointError, ModelConfig, Transformer, load_hf, rope_frequencies, save_hf
+from .model import CheckpointError, ModelConfig, Transformer, fill_meta_model, load_hf, save_hf
 
 __all__ = ["Tokenizer", "load_gguf", "load_pretrained", "dequantize", "PRETRAINED", "cache_dir", "converted_path"]
 
@@ -205,12 +205,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     missing = [n for n in expected if n not in state]
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}")
-    model = model.to_empty(device=device)
-    model.load_state_dict(state, strict=True)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    model.inv_freq = rope_frequencies(config).to(device)  # a buffer, not in the file: fp32, on the device
-    return model.to(dtype).eval(), Tokenizer.from_gguf(reader, str(path))
+    return fill_meta_model(model, state, dtype, device), Tokenizer.from_gguf(reader, str(path))
 
 
 # --------------------------------------------------------------------------------------------

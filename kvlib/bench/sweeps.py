@@ -573,12 +573,8 @@ def engine_trace(w: dict, vocab_size: int, seed: int = 0) -> list[dict]:
 
 def _quantile(vals, q):
     """The q-quantile (linear interpolation between order statistics), None for no values."""
-    vals = sorted(v for v in vals if v is not None)
-    if not vals:
-        return None
-    x = q * (len(vals) - 1)
-    lo = math.floor(x)
-    return vals[lo] + (vals[min(lo + 1, len(vals) - 1)] - vals[lo]) * (x - lo)
+    vals = [v for v in vals if v is not None]
+    return float(torch.tensor(vals, dtype=torch.float64).quantile(q)) if vals else None
 
 
 def _serve(model, trace, w, load, kernels):
