@@ -1,0 +1,688 @@
+"""Budgeted KV caches (chapter 09): keep at most ``budget`` positions per sequence, evict the rest.
+
+What you will learn:
+- a cache with a budget holds a *choice* of past positions. Which ones is the whole method:
+  the most recent (sliding window), the first few + the most recent (attention sinks, StreamingLLM,
+  Xiao et al. 2023), the ones that received the most attention so far + the most recent (heavy
+  hitters, H2O, Zhang et al. 2023), or the ones the last prompt tokens attend to most, chosen once
+  after a prefill (SnapKV, Li et al. 2024);
+- one cache class, four *priorities*: every method is a score per held position, and eviction keeps
+  the ``budget`` highest (``keep_highest``). Sinks and the recent window get +inf;
+- the index layout: K/V rows stay where they were written (physical slots of a buffer of
+  ``budget + chunk`` rows) and an index lists, per K/V head, the slots held in position order.
+  Evicting rewrites the index and frees slots; nothing is copied. ``index_decode_attention`` is the
+  decode kernel that reads K/V through that index (and can also return each held position's
+  attention probability, which H2O accumulates);
+- positions after eviction: RoPE is applied before the cache sees a key, so a key keeps the position
+  it was computed at ("kept", the default). StreamingLLM instead numbers the held positions
+  0..n-1 inside the cache ("reassign"): the cache re-rotates each held key to its rank and each new
+  query to the next rank, so positions never exceed the budget (RoPE's rotations compose:
+  rotate(rotate(x, a), b) = rotate(x, a + b)). Notebook 09 measures both;
+- streaming: a long call (a prompt) is processed in ``chunk``-token steps inside every layer, with
+  an eviction after each step, so a prompt token never attends to a position already evicted. With a
+  chunk as long as the prompt, the prompt attends fully and is compressed once afterwards (SnapKV's
+  setting, and the usual "compress after prefill" of KV-compression libraries);
+- ``PagedWindowCache``: on chapter 05's paged cache, a window (+ sink blocks) frees whole blocks
+  back to the pool as a sequence grows.
+
+Contract: every budgeted cache has ``for_model(model, batch, budget, **options)`` (``budget`` in
+positions per sequence), works as ``generate(model, ids, n, cache=cache)`` and in
+``model(ids, positions=..., cache=cache)``, and ``held(b)`` is the number of positions it stores for
+sequence b: never more than ``budget`` after a call (during a call, one chunk more).
+
+Shapes: buffers (B, H_KV, N_slots, D) with N_slots = budget + chunk; index (B, H_KV, N_slots) int64
+slot ids in position order, the first ``n_held[b]`` valid; q (B, H, T, D) as everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import runtime
+from ._triton import check_kernel_dtype, tl, triton
+from .cache import KVCache, check_attend_args, check_int
+from .model import apply_rope
+from .paged import PagedKVCache, _PagedBatch
+
+__all__ = ["keep_highest", "sink_window_priority", "h2o_accumulate", "index_decode_attention",
+           "index_decode_attention_ref", "BudgetCache", "SlidingWindowCache", "SinkCache", "H2OCache",
+           "SnapKVCache", "PagedWindowCache"]
+
+
+# --------------------------------------------------------------------------------------------
+# The pieces every method shares: a priority per held position, keep the highest
+# --------------------------------------------------------------------------------------------
+
+
+def sink_window_priority(n: int, n_sink: int) -> torch.Tensor:
+    """(n,) priority of held positions 0..n-1 (in position order) for sinks + window.
+
+    The first ``n_sink`` get +inf (always kept); the others their rank, so the most recent win.
+    With n_sink = 0 this is the plain sliding window.
+
+    >>> keep_highest(sink_window_priority(8, 2)[None, None], torch.tensor([8]), budget=5)
+    tensor([[[0, 1, 5, 6, 7]]])
+    """
+    pri = torch.arange(n, dtype=torch.float32)
+    pri[: min(n_sink, n)] = float("inf")
+    return pri
+
+
+def keep_highest(priority: torch.Tensor, n_held: torch.Tensor, budget: int) -> torch.Tensor:
+    """Which held entries to keep: the ``budget`` highest priorities, returned in position order.
+
+    priority (B, H_KV, N) over held entries in position order (entries at or past ``n_held[b]`` are
+    ignored); returns (B, H_KV, min(budget, N)) entry indices, ascending. Where a sequence holds fewer
+    than ``budget`` entries all of them are kept (the surplus indices, past its n_held, come last).
+
+    >>> keep_highest(torch.tensor([[[5., 1., 9., 3.]]]), torch.tensor([4]), budget=2)  # 5 and 9
+    tensor([[[0, 2]]])
+    """
+    B, H_KV, N = priority.shape
+    valid = torch.arange(N, device=priority.device)[None] < n_held[:, None]  # (B, N)
+    pri = priority.float().masked_fill(~valid[:, None], float("-inf"))
+    # ties (e.g. two +inf sinks) are broken toward the later entry by a tiny rank term: deterministic
+    rank = torch.arange(N, device=priority.device, dtype=torch.float32) * 1e-6
+    top = (pri + torch.where(torch.isfinite(pri), rank, torch.zeros_like(rank))).topk(min(budget, N), dim=-1).indices
+    return top.sort(dim=-1).values
+
+
+def h2o_accumulate(scores: torch.Tensor, probs: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """H2O's score update: add the attention each held position just received.
+
+    scores (B, H_KV, N): accumulated so far; probs (B, H, T, N): the new queries' attention
+    probabilities over the same N entries. A K/V head's score sums over its n_rep query heads and
+    the T queries. Returns the new scores.
+
+    >>> probs = torch.tensor([[[[0.5, 0.5]], [[0.9, 0.1]]]])  # (B=1, H=2, T=1, N=2)
+    >>> h2o_accumulate(torch.zeros(1, 1, 2), probs, n_rep=2)  # both query heads read K/V head 0
+    tensor([[[1.4000, 0.6000]]])
+    """
+    B, H, T, N = probs.shape
+    return scores + probs.float().view(B, H // n_rep, n_rep, T, N).sum(dim=(2, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# Decode attention through an index: reference, kernel, wrapper
+# --------------------------------------------------------------------------------------------
+
+
+def _check_index_args(q, k_buf, v_buf, index, n_held):
+    for name, t in (("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("index", index), ("n_held", n_held)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a floating-point (B, H, D) tensor, got {tuple(q.shape)} {q.dtype}")
+    B, H, D = q.shape
+    if k_buf.dim() != 4 or k_buf.shape[0] != B or k_buf.shape[3] != D or v_buf.shape != k_buf.shape:
+        raise ValueError(f"k_buf and v_buf must be (B={B}, H_KV, N_slots, D={D}), got {tuple(k_buf.shape)} "
+                         f"and {tuple(v_buf.shape)}")
+    H_KV = k_buf.shape[1]
+    if H % H_KV:
+        raise ValueError(f"k_buf has H_KV={H_KV} heads, which must divide q's H={H} heads")
+    if not (k_buf.dtype == v_buf.dtype == q.dtype):
+        raise TypeError(f"k_buf and v_buf must be {q.dtype} like q, got {k_buf.dtype} and {v_buf.dtype}")
+    if index.dim() != 3 or tuple(index.shape[:2]) != (B, H_KV) or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"index must be a (B={B}, H_KV={H_KV}, N) int32/int64 tensor of slot ids, got "
+                         f"{tuple(index.shape)} {index.dtype}")
+    if n_held.shape != (B,) or n_held.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"n_held must be a (B={B},) int32/int64 tensor, got {tuple(n_held.shape)} {n_held.dtype}")
+    if len({t.device for t in (q, k_buf, v_buf, index, n_held)}) != 1:
+        raise ValueError("q, k_buf, v_buf, index and n_held must be on one device")
+    lo, hi = torch.stack([n_held.min(), n_held.max()]).tolist()
+    if lo < 1 or hi > index.shape[2]:
+        raise ValueError(f"n_held must lie in 1..{index.shape[2]} (the index width), got values in {lo}..{hi}")
+    used = torch.arange(index.shape[2], device=index.device)[None, None] < n_held[:, None, None]
+    slots = index[used.expand_as(index)]
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_buf.shape[2]):
+        raise ValueError(f"index must hold slot ids in 0..{k_buf.shape[2] - 1} in its first n_held entries, "
+                         f"got values in {int(slots.min())}..{int(slots.max())}")
+
+
+def index_decode_attention_ref(q, k_buf, v_buf, index, n_held, return_probs=False):
+    """One query per sequence over the K/V rows its index lists: softmax(q . k / sqrt(D)) v.
+
+    Entry j < n_held[b] of ``index[b, g]`` is the slot of sequence b's j-th held position for K/V
+    head g. With ``return_probs``, also the attention probabilities (B, H, N) per entry (0 past n_held).
+
+    >>> k = torch.zeros(1, 1, 4, 8); v = torch.arange(4.0).view(1, 1, 4, 1).expand(1, 1, 4, 8)
+    >>> index = torch.tensor([[[3, 1, 0, 0]]])  # held: slot 3, then slot 1
+    >>> out, p = index_decode_attention_ref(torch.zeros(1, 2, 8), k, v, index, torch.tensor([2]), True)
+    >>> out[0, :, 0], p[0, 0]  # equal scores: the mean of values 3 and 1
+    (tensor([2., 2.]), tensor([0.5000, 0.5000, 0.0000, 0.0000]))
+    """
+    _check_index_args(q, k_buf, v_buf, index, n_held)
+    B, H, D = q.shape
+    n_rep = H // k_buf.shape[1]
+    out = torch.empty_like(q)
+    probs = torch.zeros(B, H, index.shape[2], device=q.device)
+    for b in range(B):  # ragged: each sequence holds its own number of positions
+        n = int(n_held[b])
+        rows = index[b, :, :n].long().repeat_interleave(n_rep, 0)  # (H, n) slot of each held entry
+        kv_of = torch.arange(H, device=q.device) // n_rep  # query head h reads K/V head h // n_rep
+        k = k_buf[b][kv_of[:, None], rows].float()  # (H, n, D)
+        v = v_buf[b][kv_of[:, None], rows].float()
+        p = torch.softmax((k @ q[b].float()[:, :, None])[..., 0] / math.sqrt(D), dim=-1)  # (H, n)
+        out[b] = (p[:, None, :] @ v)[:, 0].to(q.dtype)
+        probs[b, :, :n] = p
+    return (out, probs) if return_probs else out
+
+
+@triton.jit
+def _index_decode_kernel(
+    q_ptr, k_ptr, v_ptr,  # q (B, H, D); buffers (B, H_KV, N_slots, D)
+    o_ptr,  # output (B, H, D) in q's dtype
+    p_ptr,  # (B, H, N) fp32 attention probability of each index entry (PROBS only)
+    index_ptr,  # (B, H_KV, N) slot of each held entry, in position order
+    n_held_ptr,  # (B,) held entries per sequence
+    stride_qb, stride_qh,  # q strides (the D stride is 1)
+    stride_kb, stride_kh, stride_ks,  # buffer strides per sequence, head, slot (v has the same)
+    stride_ib, stride_ih,  # index strides per sequence and head (the entry stride is 1)
+    H, D, N, n_rep,  # query heads, head dim, index width, query heads per K/V head
+    qk_scale,  # 1/sqrt(D) * log2(e)
+    PROBS: tl.constexpr,  # also write the probabilities (a second pass over the scores)
+    TILE_N: tl.constexpr,  # held entries per inner step
+    TILE_D: tl.constexpr,  # head dim padded to a power of two
+):
+    pid = tl.program_id(0)  # one program per (sequence, query head)
+    b = pid // H
+    h = pid % H
+    kv_h = h // n_rep
+    n = tl.load(n_held_ptr + b)
+    dims = tl.arange(0, TILE_D)
+    dim_ok = dims < D
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    idx_row = index_ptr + b * stride_ib + kv_h * stride_ih
+    buf = b * stride_kb + kv_h * stride_kh
+    m_i = -1.0e30
+    l_i = 0.0
+    acc = tl.zeros((TILE_D,), dtype=tl.float32)
+    for j0 in range(0, n, TILE_N):
+        j = j0 + tl.arange(0, TILE_N)  # (TILE_N,) entries of the index
+        ok = j < n
+        slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)  # the only new line: where entry j lives
+        rows = buf + slot * stride_ks
+        mask = ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
+        s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    tl.store(o_ptr + pid * D + dims, (acc / l_i).to(o_ptr.dtype.element_ty), mask=dim_ok)
+    if PROBS:  # second pass: now that the row's max and sum are known, p_j = exp2(s_j - m) / l
+        for j0 in range(0, N, TILE_N):
+            j = j0 + tl.arange(0, TILE_N)
+            ok = j < n
+            slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)
+            rows = buf + slot * stride_ks
+            k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=ok[:, None] & dim_ok[None, :],
+                        other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], axis=1) * qk_scale
+            p = tl.where(ok, tl.exp2(s - m_i) / l_i, 0.0)
+            tl.store(p_ptr + pid * N + j, p, mask=j < N)
+
+
+def index_decode_attention(q, k_buf, v_buf, index, n_held, return_probs=False):
+    """``index_decode_attention_ref`` as one Triton program per (sequence, query head).
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(2, 4, 16, generator=g).to(DEVICE)  # (B, H, D)
+    >>> k, v = (torch.randn(2, 2, 8, 16, generator=g).to(DEVICE) for _ in range(2))  # (B, H_KV, N_slots, D)
+    >>> index = torch.randperm(8, generator=g).repeat(2, 2, 1).to(DEVICE)  # (B, H_KV, N)
+    >>> n = torch.tensor([5, 8], device=DEVICE)
+    >>> ours, p = index_decode_attention(q, k, v, index, n, return_probs=True)
+    >>> ref, p_ref = index_decode_attention_ref(q, k, v, index, n, return_probs=True)
+    >>> torch.allclose(ours, ref, atol=1e-5), torch.allclose(p, p_ref, atol=1e-6)
+    (True, True)
+    """
+    _check_index_args(q, k_buf, v_buf, index, n_held)
+    check_kernel_dtype("evict.index_decode_attention", "q", q)
+    if k_buf.stride(3) != 1 or v_buf.stride() != k_buf.stride() or q.stride(2) != 1:
+        raise ValueError("q, k_buf and v_buf must be contiguous along D, and k_buf and v_buf alike")
+    if not runtime.require_triton("evict.index_decode_attention", q=q, k_buf=k_buf, v_buf=v_buf, index=index,
+                                  n_held=n_held):
+        return index_decode_attention_ref(q, k_buf, v_buf, index, n_held, return_probs)
+    B, H, D = q.shape
+    N = index.shape[2]
+    index, n_held = index.contiguous(), n_held.contiguous()
+    out = torch.empty_like(q)
+    probs = torch.empty(B, H, N, device=q.device, dtype=torch.float32) if return_probs else out
+    TILE_D = max(16, triton.next_power_of_2(D))
+    TILE_N = 64 if runtime.INTERPRETER else max(16, 4096 // TILE_D)
+    _index_decode_kernel[(B * H,)](
+        q, k_buf, v_buf, out, probs, index, n_held, q.stride(0), q.stride(1),
+        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), index.stride(0), index.stride(1),
+        H, D, N, H // k_buf.shape[1], (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        PROBS=return_probs, TILE_N=TILE_N, TILE_D=TILE_D)
+    return (out, probs) if return_probs else out
+
+
+# --------------------------------------------------------------------------------------------
+# The budgeted cache
+# --------------------------------------------------------------------------------------------
+
+
+def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE by ``delta`` positions (any shape broadcasting to x's leading dims): x (..., D)."""
+    angles = delta.float()[..., None] * inv_freq  # (..., D/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class BudgetCache(KVCache):
+    """At most ``budget`` positions per sequence; the subclass's ``priority`` decides which.
+
+    Not used directly: ``SlidingWindowCache``, ``SinkCache``, ``H2OCache``, ``SnapKVCache``. Lengths:
+    ``seq_lens`` counts every token a sequence has seen (its next position), ``held(b)`` what is stored.
+
+    Options every method takes: ``chunk`` (tokens per streaming step of a long call; one extra chunk
+    of buffer), ``positions`` ("kept": each key keeps its RoPE position; "reassign": held positions are
+    renumbered 0..n-1 inside the cache, StreamingLLM's rule), ``kernels`` ("triton"/"torch"/None).
+    """
+
+    needs_probs = False  # H2O and SnapKV read each step's attention probabilities
+
+    def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, dtype=torch.float32, device="cpu",
+                 kernels=None, *, chunk=32, positions="kept", inv_freq=None):
+        budget, chunk = check_int("budget", budget), check_int("chunk", chunk)
+        if positions not in ("kept", "reassign"):
+            raise ValueError(f"positions must be 'kept' or 'reassign', got {positions!r}")
+        if positions == "reassign" and inv_freq is None:
+            raise ValueError("positions='reassign' re-rotates keys: pass inv_freq (for_model does)")
+        super().__init__(n_layers, batch, n_kv_heads, budget + chunk, head_dim, dtype, device, kernels)
+        self.budget, self.chunk, self.positions = budget, chunk, positions
+        self.rope = (inv_freq,)  # in a tuple: sequence(b) slices the tensors it finds, not this one
+        shape = (batch, n_kv_heads, budget + chunk)  # (B, H_KV, N_slots)
+        self.index = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]
+        self.pos = [torch.full(shape, -1, dtype=torch.int64, device=device) for _ in range(n_layers)]  # -1: free
+        self.rot = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]  # RoPE position
+        self.score = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
+        self.n_held = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(n_layers)]
+        self.evicted = torch.zeros(batch, dtype=torch.int64, device=device)  # positions dropped so far (layer 0)
+
+    @classmethod
+    def for_model(cls, model, batch, budget, kernels=None, **options):
+        c = model.config
+        return cls(c.n_layers, batch, c.n_kv_heads, budget, c.head_dim, model.dtype, model.device, kernels,
+                   inv_freq=model.inv_freq.float(), **options)
+
+    def held(self, b: int) -> int:
+        """Positions stored for sequence b (the same in every layer and K/V head)."""
+        return int(self.n_held[0][check_int("b", b, minimum=0)])
+
+    def held_positions(self, b: int, layer: int = 0) -> torch.Tensor:
+        """(H_KV, held) original positions stored for sequence b in ``layer``, per K/V head, ascending."""
+        n = self.held(b)
+        return self.pos[layer][b].gather(1, self.index[layer][b, :, :n])
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V buffers (budget + chunk rows each); the index and scores are bookkeeping."""
+        return sum(t.nbytes for t in self.k + self.v)
+
+    def reset(self, batch: int | None = None, length: int | None = None):
+        """Empty the cache. A budgeted cache accepts any ``length``: it never holds more than its budget."""
+        B = self.seq_lens.shape[0]
+        if batch is not None and batch != B:
+            raise ValueError(f"the cache holds batch={B} sequence(s), got {batch} prompt(s): build it with batch={batch}")
+        self.seq_lens.zero_()
+        self.evicted.zero_()
+        for layer in range(len(self.k)):
+            self.n_held[layer].zero_()
+            self.pos[layer].fill_(-1)
+            self.score[layer].zero_()
+
+    # ---- what a method defines ---------------------------------------------------------------
+
+    def priority(self, layer_idx: int, N: int) -> torch.Tensor:
+        """(B, H_KV, N) priority of the first N held entries (position order); the highest are kept."""
+        raise NotImplementedError
+
+    def observe(self, layer_idx: int, probs: torch.Tensor, N: int):
+        """Called with each step's probabilities (B, H, T, N) over the first N held entries (needs_probs)."""
+
+    # ---- one layer's call -------------------------------------------------------------------------
+
+    def attend(self, layer_idx, q, k, v):
+        """q (B, H, T, D), k/v (B, H_KV, T, D) -> (B, H, T, D); T > chunk runs in chunk-token steps."""
+        B, H_KV, _, D = self.k[0].shape
+        check_attend_args(layer_idx, q, k, v, n_layers=len(self.k), batch=B, n_kv_heads=H_KV, head_dim=D,
+                          kv_dtype=self.k[0].dtype, batch_is=f"the cache holds B={B} sequence(s)")
+        T = q.shape[2]
+        if T > 1 and B > 1 and int(self.seq_lens.min()) != int(self.seq_lens.max()):
+            raise ValueError("a multi-token call must extend sequences of equal length; "
+                             "prefill ragged prompts one at a time with cache.sequence(b)")
+        outs = []
+        for t0 in range(0, T, self.chunk):
+            t1 = min(T, t0 + self.chunk)
+            outs.append(self._step(layer_idx, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], t0))
+        if layer_idx == len(self.k) - 1:
+            self.seq_lens += T
+        return torch.cat(outs, dim=2)
+
+    def _step(self, layer_idx, q, k, v, t0):
+        """Append T <= chunk tokens, attend, then evict down to the budget."""
+        B, H, T, D = q.shape
+        H_KV = k.shape[1]
+        n_rep = H // H_KV
+        kb, vb, index, pos, rot = (self.k[layer_idx], self.v[layer_idx], self.index[layer_idx],
+                                   self.pos[layer_idx], self.rot[layer_idx])
+        n_old = self.n_held[layer_idx].clone()  # (B,)
+        p_new = (self.seq_lens.long() + t0)[:, None] + torch.arange(T, device=q.device)  # (B, T) true positions
+        r_new = n_old[:, None] + torch.arange(T, device=q.device)  # (B, T) ranks inside the cache
+        if self.positions == "reassign":  # rotate q and k from their true positions to their ranks
+            delta = (r_new - p_new)[:, None]  # (B, 1, T)
+            q, k = _rotate(q, delta, self.rope[0]), _rotate(k, delta, self.rope[0])
+
+        # append: the first T free slots of each (sequence, K/V head) take the new rows
+        free = pos < 0  # (B, H_KV, N_slots)
+        slots = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :T]  # (B, H_KV, T)
+        kb.scatter_(2, slots[..., None].expand(B, H_KV, T, D), k)
+        vb.scatter_(2, slots[..., None].expand(B, H_KV, T, D), v)
+        pos.scatter_(2, slots, p_new[:, None].expand(B, H_KV, T))
+        rot.scatter_(2, slots, (r_new if self.positions == "reassign" else p_new)[:, None].expand(B, H_KV, T))
+        self.score[layer_idx].scatter_(2, slots, 0.0)
+        index.scatter_(2, r_new[:, None].expand(B, H_KV, T), slots)
+        n_new = n_old + T
+        self.n_held[layer_idx].copy_(n_new)  # copy_: a view made by sequence(b) shares these lengths
+        N = int(n_new.max())
+
+        # attend over every held entry (index order) and the new ones, causal among the new
+        if T == 1 and self.kernels == "triton":
+            out, probs = index_decode_attention(q[:, :, 0], kb, vb, index, n_new, return_probs=True)
+            out, probs = out[:, :, None], probs[:, :, None, :N]  # (B, H, 1, D), (B, H, 1, N)
+        else:
+            rows = index[:, :, :N]  # (B, H_KV, N)
+            k_all = kb.gather(2, rows[..., None].expand(B, H_KV, N, D)).repeat_interleave(n_rep, 1)  # (B, H, N, D)
+            v_all = vb.gather(2, rows[..., None].expand(B, H_KV, N, D)).repeat_interleave(n_rep, 1)
+            scores = (q.float() @ k_all.float().transpose(-1, -2)) / math.sqrt(D)  # (B, H, T, N)
+            visible = torch.arange(N, device=q.device)[None, None] <= r_new[:, :, None]  # (B, T, N)
+            probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+            out = (probs @ v_all.float()).to(q.dtype)  # (B, H, T, D)
+        self.observe(layer_idx, probs, N)
+
+        # evict: keep the budget highest priorities; free the other slots
+        if N > self.budget:
+            keep = keep_highest(self.priority(layer_idx, N), n_new, self.budget)  # (B, H_KV, budget)
+            rows = index[:, :, :N]
+            kept = torch.zeros_like(rows, dtype=torch.bool).scatter_(2, keep, True)
+            held = torch.arange(N, device=q.device)[None, None] < n_new[:, None, None]
+            drop_mask = torch.zeros_like(pos, dtype=torch.bool)
+            drop_mask.scatter_(2, rows, held & ~kept)
+            pos.masked_fill_(drop_mask, -1)
+            self.score[layer_idx].masked_fill_(drop_mask, 0.0)
+            self.on_drop(layer_idx, drop_mask)
+            index[:, :, : keep.shape[2]] = rows.gather(2, keep)
+            n_kept = n_new.clamp(max=self.budget)
+            self.n_held[layer_idx].copy_(n_kept)
+            if layer_idx == 0:
+                self.evicted += n_new - n_kept
+            if self.positions == "reassign":  # renumber: held entry j now sits at rank j
+                self._renumber(layer_idx, int(n_kept.max()))
+        return out
+
+    def on_drop(self, layer_idx, drop_mask):
+        """Hook for methods that keep per-slot state besides the score (SnapKV's observation rows)."""
+
+    def _renumber(self, layer_idx, N):
+        kb, index, rot = self.k[layer_idx], self.index[layer_idx], self.rot[layer_idx]
+        B, H_KV, _, D = kb.shape
+        rows = index[:, :, :N]  # (B, H_KV, N)
+        target = torch.arange(N, device=kb.device).expand(B, H_KV, N)
+        delta = target - rot.gather(2, rows)  # (B, H_KV, N): 0 for entries that did not move
+        keys = kb.gather(2, rows[..., None].expand(B, H_KV, N, D))
+        kb.scatter_(2, rows[..., None].expand(B, H_KV, N, D), _rotate(keys, delta, self.rope[0]))
+        rot.scatter_(2, rows, target)
+
+
+class SlidingWindowCache(BudgetCache):
+    """Keep the ``budget`` most recent positions.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = SlidingWindowCache.for_model(model, batch=1, budget=4, chunk=2)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> cache.held(0), cache.held_positions(0)[0].tolist(), cache.next_positions().tolist()
+    (4, [3, 4, 5, 6], [[7]])
+    """
+
+    def priority(self, layer_idx, N):
+        B, H_KV = self.index[layer_idx].shape[:2]
+        return sink_window_priority(N, 0).to(self.seq_lens.device).expand(B, H_KV, N)
+
+
+class SinkCache(BudgetCache):
+    """Attention sinks + window (StreamingLLM): the first ``n_sink`` positions and the most recent.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = SinkCache.for_model(model, batch=1, budget=4, n_sink=2, chunk=1)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> cache.held_positions(0)[0].tolist()
+    [0, 1, 5, 6]
+    """
+
+    def __init__(self, *args, n_sink: int = 4, **kw):
+        super().__init__(*args, **kw)
+        self.n_sink = check_int("n_sink", n_sink, minimum=0)
+        if self.n_sink >= self.budget:
+            raise ValueError(f"n_sink must be below the budget ({self.budget}), got {n_sink}")
+
+    def priority(self, layer_idx, N):
+        B, H_KV = self.index[layer_idx].shape[:2]
+        return sink_window_priority(N, self.n_sink).to(self.seq_lens.device).expand(B, H_KV, N)
+
+
+def _recent(N: int, n_held: torch.Tensor, recent: int) -> torch.Tensor:
+    """(B, 1, N) True for the ``recent`` latest held entries of each sequence."""
+    j = torch.arange(N, device=n_held.device)[None, None]
+    return j >= (n_held[:, None, None] - recent)
+
+
+class H2OCache(BudgetCache):
+    """Heavy hitters (H2O): the ``recent`` latest positions + those with the most accumulated attention.
+
+    Every step adds each held position's attention probability (summed over the K/V head's query
+    heads and the step's queries) to its score (``h2o_accumulate``); eviction keeps the window and
+    then the highest scores, per K/V head. Default ``recent = budget // 2`` (the paper splits its
+    budget evenly between heavy hitters and recent tokens).
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = H2OCache.for_model(model, batch=1, budget=4, chunk=1)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> cache.held(0), cache.held_positions(0)[0, -2:].tolist()  # the 2 most recent are always held
+    (4, [5, 6])
+    """
+
+    needs_probs = True
+
+    def __init__(self, *args, recent: int | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.recent = self.budget // 2 if recent is None else check_int("recent", recent, minimum=0)
+        if self.recent > self.budget:
+            raise ValueError(f"recent must be at most the budget ({self.budget}), got {recent}")
+
+    def observe(self, layer_idx, probs, N):
+        B, H_KV = self.index[layer_idx].shape[:2]
+        rows = self.index[layer_idx][:, :, :N]
+        held = torch.arange(N, device=rows.device)[None, None] < self.n_held[layer_idx][:, None, None]
+        gained = h2o_accumulate(torch.zeros(B, H_KV, N, device=rows.device), probs, probs.shape[1] // H_KV)
+        self.score[layer_idx].scatter_add_(2, rows, gained * held)
+
+    def priority(self, layer_idx, N):
+        rows = self.index[layer_idx][:, :, :N]
+        score = self.score[layer_idx].gather(2, rows)
+        return score.masked_fill(_recent(N, self.n_held[layer_idx], self.recent), float("inf"))
+
+
+class SnapKVCache(BudgetCache):
+    """SnapKV: the last ``window`` queries vote; keep the window + the positions with the most votes.
+
+    Votes are the observation window's attention probabilities summed over its queries and the K/V
+    head's query heads, smoothed by a max-pool of width ``kernel`` over neighbouring positions (so a
+    selected token keeps its neighbours). The default ``chunk=4096`` makes a prompt attend fully and
+    be compressed once after its prefill, as in the paper; during decoding the same rule evicts one
+    position per step with the latest ``window`` queries as voters.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = SnapKVCache.for_model(model, batch=1, budget=4, window=2, chunk=16)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> cache.held(0), cache.held_positions(0)[0, -2:].tolist()  # the observation window is kept
+    (4, [5, 6])
+    """
+
+    needs_probs = True
+
+    def __init__(self, *args, window: int = 32, kernel: int = 7, **kw):
+        kw.setdefault("chunk", 4096)
+        super().__init__(*args, **kw)
+        self.window, self.kernel = check_int("window", window), check_int("kernel", kernel)
+        if self.window >= self.budget:
+            raise ValueError(f"window must be below the budget ({self.budget}), got {window}")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (a centred pooling window), got {kernel}")
+        B, H_KV, n_slots = self.index[0].shape
+        # the latest `window` queries' attention per physical slot: (B, H_KV, window, N_slots) per layer
+        self.obs = [torch.zeros(B, H_KV, self.window, n_slots, device=self.seq_lens.device)
+                    for _ in range(len(self.k))]
+
+    def reset(self, batch=None, length=None):
+        super().reset(batch, length)
+        for o in self.obs:
+            o.zero_()
+
+    def observe(self, layer_idx, probs, N):
+        B, H, T, _ = probs.shape
+        H_KV = self.index[layer_idx].shape[1]
+        rows = self.index[layer_idx][:, :, :N]
+        voted = probs.float().view(B, H_KV, H // H_KV, T, N).sum(2)[:, :, -self.window:]  # (B, H_KV, <=w, N)
+        w = voted.shape[2]
+        new = torch.zeros(B, H_KV, w, self.obs[layer_idx].shape[3], device=probs.device)
+        new.scatter_(3, rows[:, :, None].expand(B, H_KV, w, N), voted)
+        obs = self.obs[layer_idx]
+        obs.copy_(torch.cat([obs[:, :, w:], new], dim=2))  # a shift register of the latest voters
+
+    def on_drop(self, layer_idx, drop_mask):
+        self.obs[layer_idx].masked_fill_(drop_mask[:, :, None], 0.0)
+
+    def priority(self, layer_idx, N):
+        rows = self.index[layer_idx][:, :, :N]
+        B, H_KV, _ = rows.shape
+        votes = self.obs[layer_idx].sum(2).gather(2, rows)  # (B, H_KV, N) in position order
+        pooled = F.max_pool1d(votes.view(B * H_KV, 1, N), self.kernel, stride=1,
+                              padding=self.kernel // 2).view(B, H_KV, N)
+        return pooled.masked_fill(_recent(N, self.n_held[layer_idx], self.window), float("inf"))
+
+
+# --------------------------------------------------------------------------------------------
+# Eviction on the paged cache: whole blocks go back to the pool
+# --------------------------------------------------------------------------------------------
+
+
+class PagedWindowCache(PagedKVCache):
+    """Chapter 05's paged cache with a window: after each call, whole blocks that fell out of the
+    last ``budget`` positions go back to the pool (the first ``sink_blocks`` blocks stay: sinks).
+
+    A sequence holds between budget - block_size + 1 and budget positions once it is longer than the
+    budget. Positions are kept (a key keeps its RoPE position; ``next_positions`` counts every token
+    seen). Prefix caching is off (dropped blocks would break the hash chain). A prompt is prefilled
+    whole, so the pool must hold it at once: ``num_blocks`` defaults to batch x (blocks of the budget
+    + 1) and a longer prompt raises ``OutOfBlocksError``.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> from kvlib.generate import generate
+    >>> cache = PagedWindowCache.for_model(model, batch=1, budget=8, block_size=4)
+    >>> _ = generate(model, [[1, 2, 3]], 20, cache=cache)
+    >>> cache.held(0), cache.dropped[0], len(cache.tables[0]), cache.allocator.num_free  # 22 seen, 8 held
+    (6, 16, 2, 1)
+    """
+
+    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 kernels=None, *, budget, sink_blocks=0):
+        super().__init__(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device, kernels,
+                         prefix_caching=False)
+        self.budget = check_int("budget", budget)
+        self.sink_blocks = check_int("sink_blocks", sink_blocks, minimum=0)
+        if (self.sink_blocks + 1) * block_size > self.budget:
+            raise ValueError(f"budget ({budget}) must cover the sink blocks and one more block of {block_size}")
+        self.dropped: dict = {}  # seq id -> positions dropped from the front so far
+        self.pool_trace: list[int] = []  # blocks in use after every call (what notebook 09 plots)
+
+    @classmethod
+    def for_model(cls, model, batch, budget, block_size=16, num_blocks=None, sink_blocks=0, kernels=None):
+        c = model.config
+        if num_blocks is None:
+            num_blocks = check_int("batch", batch) * (-(-check_int("budget", budget) // block_size) + 1)
+        return cls(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, model.dtype, model.device,
+                   kernels, budget=budget, sink_blocks=sink_blocks)
+
+    def held(self, b) -> int:
+        return self.lens[self._known(b, "held")]
+
+    def add_sequence(self, seq_id, prompt_tokens=()) -> int:
+        self.dropped[seq_id] = 0
+        return super().add_sequence(seq_id, prompt_tokens)
+
+    def free_sequence(self, seq_id):
+        super().free_sequence(seq_id)
+        self.dropped.pop(seq_id, None)
+
+    def reset(self, batch=None, length=None):
+        """Free every sequence. Any length is accepted: the window bounds what is held."""
+        for s in list(self.tables):
+            self.free_sequence(s)
+        self.pool_trace = []
+
+    def next_positions(self) -> torch.Tensor:
+        return torch.tensor([[self.lens[b] + self.dropped[b]] for b in range(len(self.lens))], device=self.device)
+
+    def batch(self, seq_ids, new_tokens=None):
+        return _WindowBatch(self, self._distinct(seq_ids, "batch"), new_tokens)
+
+    def _evict(self, seq_id):
+        bs, table = self.block_size, self.tables[seq_id]
+        while self.lens[seq_id] > self.budget and len(table) > self.sink_blocks + 1:
+            self.release_block(table.pop(self.sink_blocks))  # a full block: only the last one is partial
+            self.lens[seq_id] -= bs
+            self.dropped[seq_id] += bs
+            del self.tokens[seq_id][self.sink_blocks * bs: (self.sink_blocks + 1) * bs]
+
+
+class _WindowBatch(_PagedBatch):
+    def attend(self, layer_idx, q, k, v):
+        out = super().attend(layer_idx, q, k, v)
+        c = self.cache
+        if layer_idx == len(c.k) - 1:
+            for s in self.seq_ids:
+                c._evict(s)
+            c.pool_trace.append(c.allocator.num_blocks - c.allocator.num_free)
+        return out
+
+
+# How tests/test_compile.py builds the index decode kernel (D = 128, fp16; with and without probabilities).
+COMPILE_SPECS = [
+    dict(kernel=_index_decode_kernel,
+         signature={"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp16", "p_ptr": "*fp32",
+                    "index_ptr": "*i64", "n_held_ptr": "*i64",
+                    **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks",
+                                          "stride_ib", "stride_ih", "H", "D", "N", "n_rep")},
+                    "qk_scale": "fp32", "PROBS": "constexpr", "TILE_N": "constexpr", "TILE_D": "constexpr"},
+         constexprs=dict(PROBS=probs, TILE_N=32, TILE_D=128))
+    for probs in (False, True)
+]
