@@ -24,6 +24,7 @@ __all__ = [
     "quantized_values", "quant_scales", "dequantize", "int8_attention_one",
     "repeat_kv", "gqa_attention", "mean_pool_kv",
     "admission", "preemption", "chunk_slots", "swap_or_recompute", "crossover",
+    "sink_window_keep", "h2o_update", "quantize_2bit",
 ]
 
 NO_SQRT_D = "the scores are not divided by √D: scale q·k by 1/sqrt(D) before the softmax"
@@ -853,3 +854,86 @@ def crossover(prefill_s, bytes_per_token, bandwidth, max_len):
     out["the last length where recompute is cheaper, one too few: the crossover is the first n where swap "
         "is cheaper"] = lambda: (first()() or 1) - 1
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 09 · keeping less
+# --------------------------------------------------------------------------------------------
+
+
+def sink_window_keep(n, budget, n_sink):
+    """Wrong keep lists for sinks + window over n held positions (a list of ints, ascending)."""
+    def window(w):
+        return list(range(max(0, n - w), n))
+
+    def sinks_then(w):
+        return sorted(set(range(min(n_sink, n))) | set(window(w))) if n > budget else list(range(n))
+
+    return {
+        "no sinks: only the most recent positions are kept (that is the plain sliding window); keep the first "
+        "n_sink positions too": lambda: window(budget),
+        "the window has budget positions on top of the sinks, so n_sink + budget are kept: the sinks count "
+        "toward the budget (the window is budget - n_sink long)": lambda: sinks_then(budget),
+        "one position too many in the window: it is budget - n_sink long, not budget - n_sink + 1": lambda: sinks_then(
+            budget - n_sink + 1),
+        "one position too few in the window: it is budget - n_sink long, not budget - n_sink - 1": lambda: sinks_then(
+            budget - n_sink - 1),
+        "under the budget some positions were dropped or repeated: when n <= budget every position is kept, "
+        "each once": lambda: list(range(min(n_sink, n))) + window(budget - n_sink),
+    }
+
+
+def h2o_update(scores, probs):
+    """Wrong score updates; scores (H_KV, N), probs (H, T, N)."""
+    H, T, N = probs.shape
+    H_KV = scores.shape[0]
+    n_rep = H // H_KV
+    grouped = probs.view(H_KV, n_rep, T, N)
+    modulo = torch.stack([probs[[h for h in range(H) if h % H_KV == g]].sum(dim=(0, 1)) for g in range(H_KV)])
+    return {
+        GQA_MODULO.replace("read K/V head", "was added to the score of K/V head"): lambda: scores + modulo,
+        "the old scores were replaced: H2O *accumulates*, score + this step's attention": lambda: grouped.sum(dim=(1, 2)),
+        "only the last query's attention was added: every one of the T new queries attends, and each adds its "
+        "probabilities": lambda: scores + grouped[:, :, -1].sum(1),
+        "the attention was averaged over the T queries: H2O sums it": lambda: scores + grouped.mean(2).sum(1),
+        "the attention was averaged over the group's query heads: a K/V head's score sums over all n_rep heads "
+        "that read it": lambda: scores + grouped.sum(2).mean(1),
+        "only the group's first query head was counted: sum over all n_rep heads that read the K/V head": lambda: (
+            scores + grouped[:, 0].sum(1)),
+    }
+
+
+def quantize_2bit(x, group):
+    """Wrong (q, scale, zero) for asymmetric 2-bit quantization in groups of ``group`` along the last dim."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+    def asym(levels=3, rounding=torch.round, zero_at="min", grouped=True):
+        t = g if grouped else x.float().reshape(*x.shape[:-1], 1, x.shape[-1])
+        lo, hi = t.amin(-1, keepdim=True), t.amax(-1, keepdim=True)
+        scale = (hi - lo) / levels
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = lo if zero_at == "min" else hi
+        q = rounding((t - zero) / scale).clamp(0, 3).to(torch.uint8)
+        if not grouped:
+            q = q.reshape(g.shape)
+            scale = scale.expand(*g.shape[:-1], 1)
+            zero = zero.expand(*g.shape[:-1], 1)
+        return q, scale, zero
+
+    def symmetric():
+        amax = g.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 1.5, torch.ones_like(amax))
+        q = (torch.round(g / scale + 1.5)).clamp(0, 3).to(torch.uint8)
+        return q, scale, torch.full_like(scale, -1.5) * scale
+
+    return {
+        "the scale is (max - min) / 4: four levels are three steps apart, so it is (max - min) / 3": lambda: asym(4),
+        "the codes were truncated with floor: round to the nearest level (torch.round)": lambda: asym(
+            rounding=torch.floor),
+        "the zero point is the group's max: it is the min, so that x - zero >= 0 and codes run 0..3": lambda: asym(
+            zero_at="max"),
+        "one group per row: the min and max run over groups of `group` numbers, reshape to (..., D // group, "
+        "group) first": lambda: asym(grouped=False),
+        "symmetric (absmax) quantization around 0: asymmetric uses the group's min as zero point and spends all "
+        "four levels between min and max": symmetric,
+    }

@@ -78,7 +78,8 @@ fi
 # 1. Kernel tests, compiled for this GPU. The compile check (static, sm_80/sm_90) and the quick CLI run
 #    belong to the CPU suite; the full sweep below replaces the latter.
 KERNEL_TESTS="tests/test_vector_add.py tests/test_attention.py tests/test_cache.py tests/test_paged.py
-  tests/test_quant.py tests/test_gqa.py tests/test_generate.py tests/test_bench.py tests/test_bench_sweeps.py"
+  tests/test_quant.py tests/test_gqa.py tests/test_generate.py tests/test_evict.py tests/test_lowbit.py
+  tests/test_bench.py tests/test_bench_sweeps.py"
 # shellcheck disable=SC2086
 step tests "$OUT/tests.log" timeout "${TEST_TIMEOUT_S:-270}" "$PY" -m pytest $KERNEL_TESTS -m "not bench_cli" \
   -q -p no:cacheprovider -o addopts="" -rfE

@@ -56,7 +56,8 @@ def test_quick_run_checks_every_triton_kernel_against_its_baseline(quick_run):
                and r["status"] == ("ok" if GPU else "correctness only (interpreter)")}
     for kernel in ("triton add", "flash_attention", "decode (split-K auto)", "paged block 1",
                    "paged block 16", "paged block 128", "int8 decode (fused dequant)", "grouped decode",
-                   "store_kv", "store_paged (block 16)", "store_kv_int8") + (() if GPU else ("decode (4 splits)",)):
+                   "store_kv", "store_paged (block 16)", "store_kv_int8", "index decode, all S",
+                   "KIVI 2-bit decode") + (() if GPU else ("decode (4 splits)",)):
         assert kernel in checked, kernel
 
 
@@ -184,6 +185,7 @@ TINY = {
     "decode": {"heads": [(4, 2, 32), (2, 2, 32)], "batch": [2], "ctx": [128, 256]},
     "paged": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [256]},
     "int8": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [128]},
+    "keepless": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [128]},
     "grouped": {"heads": [(8, 2, 32)], "batch": [2], "ctx": [128]},
     "store": {"tokens": [40]},
     "prefill": {"heads": [(4, 2, 32), (2, 2, 32)], "batch": [1], "ctx": [48]},

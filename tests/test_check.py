@@ -560,6 +560,15 @@ def _variant_sets():
     qg = torch.randn(8, 6, 16)
     kg, vg = torch.randn(2, 2, 6, 16)
     out.append(("gqa", attention_ref(qg[None], kg[None], vg[None])[0], mistakes.gqa_attention(qg, kg, vg)))
+    from kvlib.evict import h2o_accumulate
+    from kvlib.lowbit import quantize_asym
+
+    for n, b, s in [(12, 6, 2), (5, 8, 2)]:
+        out.append((f"sink_window {n} {b} {s}", _ref_keep(n, b, s), mistakes.sink_window_keep(n, b, s)))
+    scores, probs = torch.rand(2, 10), torch.softmax(torch.randn(8, 3, 10), dim=-1)
+    out.append(("h2o", h2o_accumulate(scores[None], probs[None], 4)[0], mistakes.h2o_update(scores, probs)))
+    x2 = torch.randn(3, 4, 32) + 0.5
+    out.append(("quantize_2bit", quantize_asym(x2.reshape(3, 4, 4, 8), bits=2, dim=-1), mistakes.quantize_2bit(x2, 8)))
     return out
 
 
@@ -778,3 +787,75 @@ def test_lab08_every_variant_is_named_as_itself_and_only_itself(lab08):
             if found != [what]:
                 problems.append((what, found))
     assert not problems, problems
+
+
+# ---------------------------------------------------------------- lab 09 -----------------------
+
+
+def _ref_keep(n, budget, n_sink):
+    from kvlib.evict import keep_highest, sink_window_priority
+
+    return keep_highest(sink_window_priority(n, n_sink)[None, None], torch.tensor([n]), budget)[0, 0][: min(n, budget)].tolist()
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda n, b, s: list(range(max(0, n - b), n)), "no sinks"),
+    (lambda n, b, s: sorted(set(range(s)) | set(range(n - b, n))), "sinks count toward the budget"),
+    (lambda n, b, s: list(range(s)) + list(range(n - (b - s) - 1, n)), "one position too many"),
+    (lambda n, b, s: list(range(s)) + list(range(n - (b - s) + 1, n)), "one position too few"),
+])
+def test_lab09_sink_window_mistakes(wrong, words):
+    n, b, s = 12, 6, 2
+    diagnosed(lambda: check(wrong(n, b, s), _ref_keep(n, b, s), mistakes=mistakes.sink_window_keep(n, b, s)), words)
+
+
+def test_lab09_sink_window_under_budget_mistake():
+    n, b, s = 5, 8, 2
+    wrong = list(range(s)) + list(range(max(0, n - (b - s)), n))  # no special case: 0, 1 repeated
+    diagnosed(lambda: check(wrong, _ref_keep(n, b, s), mistakes=mistakes.sink_window_keep(n, b, s)), "each once")
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda s, p, H_KV, n_rep: s + torch.stack([p[g::H_KV].sum(dim=(0, 1)) for g in range(H_KV)]), "h % H_KV"),
+    (lambda s, p, H_KV, n_rep: p.view(H_KV, n_rep, *p.shape[1:]).sum(dim=(1, 2)), "replaced"),
+    (lambda s, p, H_KV, n_rep: s + p.view(H_KV, n_rep, *p.shape[1:])[:, :, -1].sum(1), "last query"),
+    (lambda s, p, H_KV, n_rep: s + p.view(H_KV, n_rep, *p.shape[1:]).mean(2).sum(1), "averaged over the T"),
+    (lambda s, p, H_KV, n_rep: s + p.view(H_KV, n_rep, *p.shape[1:]).sum(2).mean(1), "averaged over the group"),
+    (lambda s, p, H_KV, n_rep: s + p.view(H_KV, n_rep, *p.shape[1:])[:, 0].sum(1), "first query head"),
+])
+def test_lab09_h2o_mistakes(wrong, words):
+    from kvlib.evict import h2o_accumulate
+
+    g = torch.Generator().manual_seed(2)
+    H, H_KV, T, N = 8, 2, 3, 10
+    scores, probs = torch.rand(H_KV, N, generator=g), torch.softmax(torch.randn(H, T, N, generator=g), dim=-1)
+    ref = h2o_accumulate(scores[None], probs[None], H // H_KV)[0]
+    mine = wrong(scores, probs, H_KV, H // H_KV)
+    diagnosed(lambda: check(mine, ref, mistakes=mistakes.h2o_update(scores, probs)), words)
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(levels=4), "(max - min) / 3"),
+    (dict(rounding=torch.floor), "truncated with floor"),
+    (dict(zero_at="max"), "zero point is the group's max"),
+    (dict(grouped=False), "one group per row"),
+])
+def test_lab09_quantize_2bit_mistakes(mistake, words):
+    from kvlib.lowbit import quantize_asym
+
+    x = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(0)) + 0.5
+    group = 8
+
+    def learner(levels=3, rounding=torch.round, zero_at="min", grouped=True):  # written as a learner would
+        t = x.reshape(3, 4, 4, 8) if grouped else x.reshape(3, 4, 1, 32)
+        lo, hi = t.amin(-1, keepdim=True), t.amax(-1, keepdim=True)
+        zero = lo if zero_at == "min" else hi
+        scale = (hi - lo) / levels
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = rounding((t - zero) / scale).clamp(0, 3).to(torch.uint8)
+        return q.reshape(3, 4, 4, 8), scale.expand(3, 4, 4, 1) if not grouped else scale, \
+            zero.expand(3, 4, 4, 1) if not grouped else zero
+
+    ref = quantize_asym(x.reshape(3, 4, 4, 8), bits=2, dim=-1)
+    assert check(learner(), ref)
+    diagnosed(lambda: check(learner(**mistake), ref, mistakes=mistakes.quantize_2bit(x, group)), words)

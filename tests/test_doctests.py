@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
-           "kvlib.gqa", "kvlib.generate", "kvlib.model", "kvlib.engine"]
+           "kvlib.gqa", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
+           "kvlib.compress"]
 
 # Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
 MUST_HAVE_EXAMPLES = {
@@ -22,6 +23,16 @@ MUST_HAVE_EXAMPLES = {
     "kvlib.model": ["load_hf", "Transformer.forward"],
     "kvlib._triton": ["check_kernel_dtype"],
     "kvlib.engine": ["Engine"],
+    "kvlib.evict": ["keep_highest", "sink_window_priority", "h2o_accumulate", "index_decode_attention",
+                    "index_decode_attention_ref", "SlidingWindowCache", "SinkCache", "H2OCache", "SnapKVCache",
+                    "PagedWindowCache"],
+    "kvlib.lowbit": ["quantize_asym", "dequantize_asym", "pack_bits", "unpack_bits", "pack_2bit", "unpack_2bit",
+                     "quantize_keys_per_channel", "quantize_values_per_token", "kivi_decode_attention",
+                     "kivi_decode_attention_ref", "KiviCache", "LayerQuantCache", "kl_divergence",
+                     "layer_sensitivity", "plan_bits"],
+    "kvlib.compress": ["record_kv", "fit_low_rank", "low_rank_error", "LowRankKVCache", "MLAConfig",
+                       "LatentAttention", "LatentKVCache", "mla_bytes_per_token", "mha_bytes_per_token",
+                       "mla_gqa_groups", "SharedKVSeam", "CrossLayerKVCache", "finetune_shared", "evaluate_shared"],
 }
 
 

@@ -271,6 +271,7 @@ PLOTS = {
     "int8": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel",), True),
     "grouped": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel", "H", "H_KV"), True),
     "store": ("T", "pct_copy_bw", "new tokens written T", "% of measured copy bandwidth", ("kernel",), False),
+    "keepless": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel",), True),
     "memory": ("S", "memory_bytes", "context length S (tokens)", "bytes held (4 layers, batch 1)", ("kernel",), True),
     "engine": ("load", "tokens_per_s", "load (requests arriving per engine step, Poisson mean)",
                "generated tokens/s (wall clock, tiny model)", ("kernel",), False),

@@ -52,6 +52,7 @@ WORKLOADS = {
         "decode": {"heads": HEADS, "batch": [1, 8, 32, 128], "ctx": [1 * K, 4 * K, 16 * K, 64 * K, 128 * K]},
         "paged": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
+        "keepless": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "grouped": {"heads": HEADS[:2], "batch": [1, 8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "store": {"tokens": [1 * K, 4 * K, 16 * K, 64 * K]},
         "prefill": {"heads": HEADS, "batch": [1], "ctx": [1 * K, 2 * K, 4 * K, 8 * K, 16 * K]},
@@ -64,6 +65,7 @@ WORKLOADS = {
         "decode": {"heads": HEADS[:1], "batch": [8], "ctx": [4 * K, 16 * K, 64 * K]},
         "paged": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
+        "keepless": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "grouped": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "store": {"tokens": [16 * K, 64 * K]},
         "prefill": {"heads": HEADS[:1], "batch": [1], "ctx": [4 * K, 16 * K]},
@@ -76,6 +78,7 @@ WORKLOADS = {
         "decode": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "paged": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "int8": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "keepless": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "grouped": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "store": {"tokens": [1 * K, 4 * K, 16 * K]},
         "prefill": {"heads": [(8, 2, 64)], "batch": [1], "ctx": [256, 512, 1 * K]},  # CPU attention is O(S^2)
@@ -686,8 +689,77 @@ def engine(ctx: Ctx) -> Iterator[Point]:
 
 # in run order: the roofline first, then the decode-side kernels the targets are about (a time budget
 # that runs out cuts the end of this list)
+# --------------------------------------------------------------------------------------------
+# keepless (chapter 09): decode over a budget of held rows (index layout) and over 2-bit KIVI codes
+# --------------------------------------------------------------------------------------------
+
+
+def _kivi_inputs(ctx, B, H_KV, S, D, dtype, group=32, residual=32):
+    """Random 2-bit codes (packed), fp16 scales / zeros, and a full-precision tail of ``residual`` rows."""
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
+    n_q = S - residual
+    codes = lambda: torch.randint(0, 256, (B, H_KV, n_q, D // 4), dtype=torch.uint8, device=ctx.device,  # noqa: E731
+                                  generator=gen)
+    small = lambda *shape: (0.01 + 0.02 * torch.rand(*shape, device=ctx.device, generator=gen)).half()  # noqa: E731
+    kp, vp = codes(), codes()
+    ks, kz = small(B, H_KV, n_q // group, D), -small(B, H_KV, n_q // group, D)
+    vs, vz = small(B, H_KV, n_q), -small(B, H_KV, n_q)
+    k_res = _randn(B, H_KV, residual, D, dtype=dtype, device=ctx.device)
+    v_res = _randn(B, H_KV, residual, D, dtype=dtype, device=ctx.device)
+    n_quant = torch.full((B,), n_q, dtype=torch.int32, device=ctx.device)
+    n_res = torch.full((B,), residual, dtype=torch.int32, device=ctx.device)
+    args = (kp, ks, kz, vp, vs, vz, n_quant, k_res, v_res, n_res, group)
+    nbytes = kp.nbytes + vp.nbytes + ks.nbytes + kz.nbytes + vs.nbytes + vz.nbytes + k_res.nbytes + v_res.nbytes
+    return args, nbytes
+
+
+def keepless(ctx: Ctx) -> Iterator[Point]:
+    from ..cache import decode_attention, decode_attention_ref
+    from ..evict import index_decode_attention, index_decode_attention_ref
+    from ..lowbit import kivi_decode_attention, kivi_decode_attention_ref
+
+    def point(H, H_KV, D, B, S, dtype, timed):
+        kernels = ctx.gpu or not timed
+
+        def build():
+            q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
+            full = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
+            gen = torch.Generator().manual_seed(0)
+            everything = torch.arange(S, device=ctx.device).expand(B, H_KV, S).contiguous()  # identity index
+            budget = max(1, S // 8)
+            kept = torch.stack([torch.stack([torch.randperm(S, generator=gen)[:budget] for _ in range(H_KV)])
+                                for _ in range(B)]).sort(-1).values.to(ctx.device)  # (B, H_KV, S / 8) random slots
+            n_all = torch.full((B,), S, dtype=torch.int64, device=ctx.device)
+            n_kept = torch.full((B,), budget, dtype=torch.int64, device=ctx.device)
+            kivi_args, kivi_bytes = _kivi_inputs(ctx, B, H_KV, S, D, dtype)
+            index_bytes = lambda n: _kv_bytes(B, H_KV, n, D, k.element_size()) + B * H_KV * n * 8 + 2 * q.nbytes  # noqa: E731
+            dec, idx, kivi = ((decode_attention, index_decode_attention, kivi_decode_attention) if kernels else
+                              (decode_attention_ref, index_decode_attention_ref, kivi_decode_attention_ref))
+            suffix = "" if kernels else " (ref)"
+            ks = {f"{_dt(dtype)} decode, all S{suffix}": Kernel(lambda: dec(q, k, v, lens), kernels, full),
+                  f"index decode, all S{suffix}": Kernel(lambda: idx(q, k, v, everything, n_all), kernels,
+                                                         index_bytes(S)),
+                  f"index decode, S/8 held{suffix}": Kernel(lambda: idx(q, k, v, kept, n_kept), kernels,
+                                                            index_bytes(budget), expected="expected: S/8 held"),
+                  f"KIVI 2-bit decode{suffix}": Kernel(lambda: kivi(q, *kivi_args), kernels, kivi_bytes + 2 * q.nbytes,
+                                                       expected="expected: KIVI 2-bit"),
+                  # expected values only (no bytes: computed once, not timed), from the references
+                  "expected: S/8 held": Kernel(lambda: index_decode_attention_ref(q, k, v, kept, n_kept), False, None),
+                  "expected: KIVI 2-bit": Kernel(lambda: kivi_decode_attention_ref(q, *kivi_args), False, None)}
+            return ks
+
+        kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
+        return Point("keepless", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype)}, build,
+                     curve=("keepless", H, H_KV, D, B, timed), need_bytes=int(kvb * 1.6), timed=timed)
+
+    for H, H_KV, D, B, S in _shapes(ctx, "keepless"):
+        yield point(H, H_KV, D, B, S, ctx.dtype, True)
+    if not ctx.gpu:
+        yield point(8, 2, 64, 2, 320, ctx.check_dtype, False)
+
+
 SWEEPS = {"copy": copy, "decode": decode, "paged": paged, "int8": int8, "grouped": grouped, "store": store,
-          "prefill": prefill, "memory": memory, "engine": engine}
+          "prefill": prefill, "memory": memory, "engine": engine, "keepless": keepless}
 
 
 # --------------------------------------------------------------------------------------------
