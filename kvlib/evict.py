@@ -397,9 +397,11 @@ class BudgetCache(KVCache):
         N = int(n_new.max())
 
         # attend over every held entry (index order) and the new ones, causal among the new
-        if T == 1 and self.kernels == "triton":
-            out, probs = index_decode_attention(q[:, :, 0], kb, vb, index, n_new, return_probs=True)
-            out, probs = out[:, :, None], probs[:, :, None, :N]  # (B, H, 1, D), (B, H, 1, N)
+        if T == 1 and self.kernels == "triton":  # the probabilities' second pass only for H2O and SnapKV
+            res = index_decode_attention(q[:, :, 0], kb, vb, index, n_new, return_probs=self.needs_probs)
+            out, probs = res if self.needs_probs else (res, None)
+            out = out[:, :, None]  # (B, H, 1, D)
+            probs = None if probs is None else probs[:, :, None, :N]  # (B, H, 1, N)
         else:
             rows = index[:, :, :N]  # (B, H_KV, N)
             k_all = kb.gather(2, rows[..., None].expand(B, H_KV, N, D)).repeat_interleave(n_rep, 1)  # (B, H, N, D)
@@ -408,7 +410,8 @@ class BudgetCache(KVCache):
             visible = torch.arange(N, device=q.device)[None, None] <= r_new[:, :, None]  # (B, T, N)
             probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
             out = (probs @ v_all.float()).to(q.dtype)  # (B, H, T, D)
-        self.observe(layer_idx, probs, N)
+        if self.needs_probs:
+            self.observe(layer_idx, probs, N)
 
         # evict: keep the budget highest priorities; free the other slots
         if N > self.budget:

@@ -284,3 +284,23 @@ def test_paged_window_keeps_sink_blocks():
     table = cache.tables[0]
     assert cache.dropped[0] > 0 and len(table) <= 3
     assert cache.held(0) <= 12
+
+
+def test_paged_window_prompt_larger_than_the_pool_is_a_clear_error_and_leaves_the_pool_intact():
+    from kvlib.paged import OutOfBlocksError
+
+    model = gqa_model()
+    cache = PagedWindowCache.for_model(model, batch=1, budget=8, block_size=4)  # 3 blocks
+    with pytest.raises(OutOfBlocksError, match="needs 5 block"):
+        generate(model, [list(range(1, 20))], 4, cache=cache)
+    assert cache.allocator.num_free == cache.allocator.num_blocks and not cache.tables
+
+
+def test_every_budgeted_cache_follows_the_contract():
+    """for_model(model, batch, budget, **options), generate(..., cache=...), held(b) <= budget afterwards."""
+    model = gqa_model()
+    for cls, opts in list(METHODS.values()) + [(PagedWindowCache, {"block_size": 4})]:
+        cache = cls.for_model(model, 2, 12, **opts)
+        out = generate(model, [[1, 2, 3, 4, 5], [6, 7]], 30, cache=cache)
+        assert out.shape == (2, 30)
+        assert all(0 < cache.held(b) <= 12 for b in (0, 1)), cls.__name__
