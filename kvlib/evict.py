@@ -196,7 +196,7 @@ def _index_decode_kernel(
     dim_ok = dims < D
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)
     idx_row = index_ptr + b * stride_ib + kv_h * stride_ih
-    buf = b * stride_kb + kv_h * stride_kh
+    buf = b.to(tl.int64) * stride_kb + kv_h * stride_kh  # int64: B x H_KV x N_slots x D can pass 2**31
     m_i = -1.0e30
     l_i = 0.0
     acc = tl.zeros((TILE_D,), dtype=tl.float32)
