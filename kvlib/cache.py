@@ -507,6 +507,15 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position takes across all layers, K and V (and scales, where a subclass has
+        them): ``nbytes()`` over the capacity, batch x max_len."""
+        return self.nbytes() // (self.seq_lens.shape[0] * self.max_len)
+
+    def held(self, b: int) -> int:
+        """Positions stored for sequence b."""
+        return int(self.seq_lens[check_int("b", b, minimum=0)])
+
     # The four calls kvlib.generate.generate makes on any cache:
     def reset(self, batch: int | None = None, length: int | None = None):
         """Empty the cache (every length back to 0; the buffers are kept and overwritten later).

@@ -31,7 +31,7 @@ from .cache import (CacheFullError, KVCache, check_attend_args, check_int, decod
                     store_kv, store_kv_ref)
 from .gqa import finetune
 from .memory import dtype_bytes
-from .model import ModelConfig, Transformer, apply_rope
+from .model import ModelConfig, Transformer, apply_rope, rope_cos_sin
 from .train import evaluate
 
 __all__ = ["record_kv", "fit_low_rank", "low_rank_error", "LowRankKVCache", "MLAConfig", "LatentAttention",
@@ -169,6 +169,9 @@ class LowRankKVCache(KVCache):
     unchanged with head dim r: it scales by 1/sqrt(r), so the projected query is pre-multiplied by
     sqrt(r / D). No new kernel. ``self.k[layer]`` / ``self.v[layer]`` hold the coefficients.
 
+    ``nbytes`` and ``bytes_per_token`` count the coefficient buffers only: the bases (2 x n_layers x H_KV x
+    D x r numbers) are weights shared by every sequence, whatever their length.
+
     V's basis could be folded into the model's weights (W_v U_v, then U_v^T W_o); K's cannot, since
     RoPE sits between W_k and the cache. That is why MLA (below) keeps a separate small RoPE key.
 
@@ -196,19 +199,6 @@ class LowRankKVCache(KVCache):
         c = model.config
         _check_bases(bases, c.n_layers, c.n_kv_heads, c.head_dim)
         return cls(bases, batch, max_len, model.dtype, model.device, kernels)
-
-    def nbytes(self) -> int:
-        """Bytes of the coefficient buffers. The bases (2 x n_layers x H_KV x D x r numbers) are weights
-        shared by every sequence, whatever their length, and are not counted."""
-        return super().nbytes()
-
-    def bytes_per_token(self) -> int:
-        """Bytes one cached token takes across all layers, K and V."""
-        return self.nbytes() // (self.seq_lens.shape[0] * self.max_len)
-
-    def held(self, b: int) -> int:
-        """Positions stored for sequence b."""
-        return int(self.seq_lens[b])
 
     def _check_attend(self, layer_idx, q, k, v, kv_dtype):
         B, H_KV = self.k[0].shape[:2]
@@ -309,9 +299,7 @@ class LatentAttention(nn.Module):
 
     def _rope(self, x, positions):
         """RoPE on x (B, heads, T, d_rope) at positions (B, T), as kvlib.model does it."""
-        angles = positions.float()[..., None] * self.inv_freq  # (B, T, d_rope / 2)
-        angles = torch.cat((angles, angles), dim=-1)  # (B, T, d_rope)
-        return apply_rope(x, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        return apply_rope(x, *rope_cos_sin(positions, self.inv_freq, x.dtype))
 
     def _queries(self, x, positions):
         """x (B, T, C) -> q_nope (B, H, T, qk_nope), q_rope (B, H, T, d_rope) after RoPE."""
@@ -595,14 +583,6 @@ class CrossLayerKVCache(KVCache):
     def for_model(cls, model, batch, max_len, share=2, kernels=None):
         c = model.config
         return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, share, model.dtype, model.device, kernels)
-
-    def bytes_per_token(self) -> int:
-        """Bytes one cached token takes across all layers, K and V."""
-        return self.nbytes() // (self.seq_lens.shape[0] * self.max_len)
-
-    def held(self, b: int) -> int:
-        """Positions stored for sequence b."""
-        return int(self.seq_lens[b])
 
     def _check_attend(self, layer_idx, q, k, v, kv_dtype):
         B, H_KV, _, D = self.k[0].shape

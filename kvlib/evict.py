@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .cache import KVCache, check_attend_args, check_int
-from .model import apply_rope
+from .model import rope_cos_sin, rotate
 from .paged import PagedKVCache, _PagedBatch
 
 __all__ = ["keep_highest", "sink_window_priority", "h2o_accumulate", "index_decode_attention",
@@ -132,14 +132,15 @@ def _check_index_args(q, k_buf, v_buf, index, n_held):
         raise ValueError(f"n_held must be a (B={B},) int32/int64 tensor, got {tuple(n_held.shape)} {n_held.dtype}")
     if len({t.device for t in (q, k_buf, v_buf, index, n_held)}) != 1:
         raise ValueError("q, k_buf, v_buf, index and n_held must be on one device")
-    lo, hi = torch.stack([n_held.min(), n_held.max()]).tolist()
+    used = torch.arange(index.shape[2], device=index.device)[None, None] < n_held[:, None, None]  # (B, 1, N)
+    slots = index.long()
+    lo, hi, s_lo, s_hi = torch.stack([n_held.min().long(), n_held.max().long(),  # one host read for all four
+                                      slots.masked_fill(~used, 0).min(), slots.masked_fill(~used, 0).max()]).tolist()
     if lo < 1 or hi > index.shape[2]:
         raise ValueError(f"n_held must lie in 1..{index.shape[2]} (the index width), got values in {lo}..{hi}")
-    used = torch.arange(index.shape[2], device=index.device)[None, None] < n_held[:, None, None]
-    slots = index[used.expand_as(index)]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_buf.shape[2]):
+    if s_lo < 0 or s_hi >= k_buf.shape[2]:
         raise ValueError(f"index must hold slot ids in 0..{k_buf.shape[2] - 1} in its first n_held entries, "
-                         f"got values in {int(slots.min())}..{int(slots.max())}")
+                         f"got values in {s_lo}..{s_hi}")
 
 
 def index_decode_attention_ref(q, k_buf, v_buf, index, n_held, return_probs=False):
@@ -272,11 +273,7 @@ def index_decode_attention(q, k_buf, v_buf, index, n_held, return_probs=False):
 
 def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """RoPE by ``delta`` positions (any shape broadcasting to x's leading dims): x (..., D)."""
-    angles = delta.float()[..., None] * inv_freq  # (..., D/2)
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return rotate(x, *rope_cos_sin(delta, inv_freq, x.dtype))
 
 
 class BudgetCache(KVCache):
@@ -447,23 +444,6 @@ class BudgetCache(KVCache):
         rot.scatter_(2, rows, target)
 
 
-class SlidingWindowCache(BudgetCache):
-    """Keep the ``budget`` most recent positions.
-
-    >>> from kvlib.model import ModelConfig, Transformer
-    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
-    >>> cache = SlidingWindowCache.for_model(model, batch=1, budget=4, chunk=2)
-    >>> with torch.no_grad():
-    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
-    >>> cache.held(0), cache.held_positions(0)[0].tolist(), cache.next_positions().tolist()
-    (4, [3, 4, 5, 6], [[7]])
-    """
-
-    def priority(self, layer_idx, N):
-        B, H_KV = self.index[layer_idx].shape[:2]
-        return sink_window_priority(N, 0).to(self.seq_lens.device).expand(B, H_KV, N)
-
-
 class SinkCache(BudgetCache):
     """Attention sinks + window (StreamingLLM): the first ``n_sink`` positions and the most recent.
 
@@ -485,6 +465,22 @@ class SinkCache(BudgetCache):
     def priority(self, layer_idx, N):
         B, H_KV = self.index[layer_idx].shape[:2]
         return sink_window_priority(N, self.n_sink).to(self.seq_lens.device).expand(B, H_KV, N)
+
+
+class SlidingWindowCache(SinkCache):
+    """Keep the ``budget`` most recent positions: sinks + window without the sinks.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = SlidingWindowCache.for_model(model, batch=1, budget=4, chunk=2)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> cache.held(0), cache.held_positions(0)[0].tolist(), cache.next_positions().tolist()
+    (4, [3, 4, 5, 6], [[7]])
+    """
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, n_sink=0, **kw)
 
 
 def _recent(N: int, n_held: torch.Tensor, recent: int) -> torch.Tensor:

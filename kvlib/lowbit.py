@@ -532,10 +532,6 @@ class KiviCache(KVCache):
         """How many of sequence b's positions (the oldest) are held in low bits; the rest are exact."""
         return int(self._n_quant(int(self.seq_lens[b])))
 
-    def held(self, b: int) -> int:
-        """Positions stored for sequence b (KIVI evicts nothing: all of them, ``n_quantized(b)`` in low bits)."""
-        return int(self.seq_lens[b])
-
     def nbytes(self) -> int:
         """Bytes of every buffer: packed codes, scales, zeros and the full-precision residual."""
         return sum(t.nbytes for t in self.k + self.v + self.k_packed + self.v_packed + self.k_scale + self.k_zero

@@ -116,14 +116,29 @@ def rope_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + D/2]) by the angle of each position ("rotate_half" layout).
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of each position's angles (computed in fp32): positions (...) -> 2 x (..., D).
 
-    x: (B, H, T, D); cos/sin: (B, T, D) for each token's own position.
+    Any integer positions, also differences of positions (chapter 09 re-rotates cached keys by one).
     """
+    angles = positions.float()[..., None] * inv_freq  # (..., D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (..., D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + D/2]) by the angles whose cos/sin are given ("rotate_half" layout);
+    cos and sin broadcast to x (..., D)."""
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: rotate each token's pairs by its own position's angles.
+
+    x: (B, H, T, D); cos/sin: (B, T, D) for each token's own position (the same for every head).
+    """
+    return rotate(x, cos[:, None], sin[:, None])
 
 
 class Attention(nn.Module):
@@ -221,9 +236,7 @@ class Transformer(nn.Module):
         """cos and sin of each position's angles, computed in fp32. positions (B, T) -> 2 x (B, T, D)."""
         if self.inv_freq.dtype != torch.float32:  # model.half() cast it; RoPE angles need fp32
             self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device)
-        angles = positions.float()[..., None] * self.inv_freq  # (B, T, D/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def forward(
         self,
