@@ -1,6 +1,7 @@
 # Two commands do everything (see README "Quickstart"):
 #   make lab    set up whatever is missing, then open the course in JupyterLab
 #   make test   set up whatever is missing, then run every test (pytest + nbval)
+#               (JOBS=2 workers, THREADS=1 CPU thread each; `make test THREADS=2` checks another thread count)
 # Setup is a virtual environment in .venv; it is (re)built when pyproject.toml changes.
 # TORCH_SPEC lets you choose the PyTorch build, e.g. a CPU-only wheel on a laptop:
 #   make lab TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
@@ -12,6 +13,10 @@ STAMP  := $(VENV)/.kvlib-installed
 TORCH_SPEC ?= torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 PYTEST_ARGS ?=
+# pytest-xdist workers: each notebook runs whole on one worker (--dist loadscope).
+JOBS ?= 2
+# CPU threads per worker and per notebook kernel (torch via KVLIB_THREADS, OpenMP/BLAS via OMP_NUM_THREADS).
+THREADS ?= 1
 
 .PHONY: lab test setup labs bench model readme compat clean
 
@@ -27,8 +32,8 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+	KVLIB_THREADS=$(THREADS) OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadscope $(PYTEST_ARGS)
 
 # The benchmark sweeps (results.csv, summary.md, PNGs in bench-out/); BENCH_ARGS="--quick" on a CPU.
 bench: $(STAMP)

@@ -5,7 +5,9 @@ import kvlib  # noqa: F401
 
 import torch  # noqa: E402
 
+from kvlib import runtime  # noqa: E402
+
 if not torch.cuda.is_available():
-    # One CPU thread: on a 2-core machine that is doing anything else, a second OpenMP thread mostly
-    # waits for a core (measured: a SmolLM2 forward of 6 tokens, 0.15 s on one thread, 3.2 s on two).
-    torch.set_num_threads(1)
+    # One CPU thread per test process unless KVLIB_THREADS says otherwise (runtime.cpu_threads): on a
+    # 2-core machine the two pytest-xdist workers already take both cores.
+    torch.set_num_threads(runtime.cpu_threads())

@@ -8,6 +8,14 @@ keeps ASCII ones longer than 40 characters, drops duplicates, and joins them in 
 document followed by the end-of-text byte. ``split_corpus`` holds out every 20th document for
 validation (documents, not characters, so no text leaks across the split).
 
+The standard library's docstrings change between Python versions (4,758 documents on 3.10, 4,838 on
+3.11, 4,860 on 3.12, 4,715 on 3.13), so the text a chapter reads must not be "whatever this Python
+has". ``course_texts()`` gives the chapters one text on every Python from 3.10 to 3.13: the documents
+that are identical on all four, in the order and split the tiny model was trained with (Python 3.11).
+It finds them by the SHA-256 of each document, listed in ``assets/tiny/corpus_index.txt`` (hashes, no
+prose; ``python kvlib/corpus.py --index PYTHON...`` rewrites it from the interpreters given, the first
+being the one the model was trained on).
+
 ``ByteTokenizer`` maps text to UTF-8 bytes: 256 token ids, nothing to learn, nothing to download.
 Id 0 (the NUL byte, absent from the corpus) doubles as end-of-text (``eos_id``).
 """
@@ -24,6 +32,9 @@ import pkgutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
+
+INDEX = Path(__file__).resolve().parent / "assets" / "tiny" / "corpus_index.txt"
 
 # Modules that open windows or browsers, print on import, are huge test suites, or are deprecated shims.
 SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "lib2to3",
@@ -115,14 +126,79 @@ def _builtin_docstrings() -> list[str]:
     return out
 
 
-def build_corpus() -> list[str]:
+def build_corpus(python: str | None = None) -> list[str]:
     """The documents, in a fixed order (builtins, then modules by name, then help topics).
 
     Collected in a fresh interpreter with no site-packages (``python -I -S``): what third-party
     packages imported into *this* process do to standard modules must not change the corpus.
+    ``python`` collects them with another interpreter instead (its standard library, its docstrings).
     """
-    out = subprocess.run([sys.executable, "-I", "-S", __file__], capture_output=True, text=True, check=True)
+    out = subprocess.run([python or sys.executable, "-I", "-S", __file__], capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout)
+
+
+def doc_hash(doc: str) -> str:
+    """The 16-hex-digit SHA-256 prefix that names a document in the index."""
+    return hashlib.sha256(doc.encode("utf-8")).hexdigest()[:16]
+
+
+def read_index(path: Path = INDEX) -> list[tuple[str, str]]:
+    """[(split, hash)]: split "t" (the tiny model trained on it) or "v" (held out), in corpus order."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            split, h = line.split()
+            rows.append((split, h))
+    return rows
+
+
+def course_docs(docs: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(training documents, held-out documents) of the index, found in this Python's corpus.
+
+    The same lists on Python 3.10-3.13 (tested). On another version a document that changed is
+    missing: a warning says how many, and the chapters' figures may then differ a little.
+    """
+    docs = build_corpus() if docs is None else docs
+    by_hash = {doc_hash(d): d for d in docs}
+    rows = read_index()
+    missing = sum(h not in by_hash for _, h in rows)
+    if missing:
+        warnings.warn(f"kvlib.corpus: {missing} of {len(rows)} indexed documents are not in Python "
+                      f"{sys.version.split()[0]}'s standard library (the index was built from 3.10-3.13); "
+                      "the chapters' texts differ a little from the committed outputs", stacklevel=2)
+    train = [by_hash[h] for s, h in rows if s == "t" and h in by_hash]
+    val = [by_hash[h] for s, h in rows if s == "v" and h in by_hash]
+    return train, val
+
+
+def course_texts(docs: list[str] | None = None) -> tuple[str, str]:
+    """(train text, held-out text) as ``split_corpus`` joins them, the same on Python 3.10-3.13.
+
+    The held-out documents are ones the tiny model never trained on (its validation split).
+    """
+    train, val = course_docs(docs)
+    eos = chr(ByteTokenizer.eos_id)
+    return eos.join(train) + eos, eos.join(val) + eos
+
+
+def write_index(pythons: list[str], path: Path = INDEX, every: int = 20) -> int:
+    """Rewrite the index from the interpreters given; ``pythons[0]`` is the one the tiny model was
+    trained on (its order and its train/validation split are kept). Returns the number of documents."""
+    corpora = [build_corpus(p) for p in pythons]
+    common = set(corpora[0]).intersection(*map(set, corpora[1:]))
+    versions = [subprocess.run([p, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                               text=True, check=True).stdout.strip() for p in pythons]
+    lines = [f"# The documents of kvlib.corpus that are identical on Python {', '.join(versions)}:",
+             f"# split (t: trained on, v: held out, every {every}th document of {versions[0]}) and SHA-256 prefix.",
+             "# Written by `python kvlib/corpus.py --index PYTHON...`; read by kvlib.corpus.course_texts()."]
+    n = 0
+    for i, d in enumerate(corpora[0]):
+        if d in common:
+            lines.append(f"{'v' if i % every == 0 else 't'} {doc_hash(d)}")
+            n += 1
+    path.write_text("\n".join(lines) + "\n")
+    return n
 
 
 def _collect() -> list[str]:
@@ -158,5 +234,8 @@ def fingerprint(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-if __name__ == "__main__":  # run by build_corpus() in a clean interpreter
-    print(json.dumps(_collect()))
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--index"]:  # a maintainer rewriting the index
+        print(f"{write_index(sys.argv[2:])} documents indexed in {INDEX}")
+    else:  # run by build_corpus() in a clean interpreter
+        print(json.dumps(_collect()))

@@ -8,7 +8,7 @@
   the kernel wrappers fall back to the PyTorch references and say so once.
 
 Public names: ``DEVICE`` ("cuda" or "cpu"), ``INTERPRETER`` (bool), ``HAS_TRITON`` (bool),
-``describe()``, ``by_mode(cpu=..., gpu=...)``.
+``describe()``, ``by_mode(cpu=..., gpu=...)``, ``cpu_threads()``.
 
 Override the detection with ``KVLIB_DEVICE=cpu`` (interpreter even on a GPU machine). An
 explicit ``TRITON_INTERPRET`` in the environment is respected as given.
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-__all__ = ["DEVICE", "INTERPRETER", "HAS_TRITON", "describe", "by_mode", "require_triton", "mode"]
+__all__ = ["DEVICE", "INTERPRETER", "HAS_TRITON", "describe", "by_mode", "require_triton", "mode", "cpu_threads"]
 
 
 def _cuda_available() -> bool:
@@ -111,6 +111,24 @@ def by_mode(cpu, gpu):
     Example: ``seq_lens = by_mode(cpu=[64, 128, 256], gpu=[1024, 4096, 16384, 65536])``.
     """
     return gpu if DEVICE == "cuda" and not INTERPRETER else cpu
+
+
+def cpu_threads() -> int:
+    """How many CPU threads the chapters and tests give PyTorch: 1 unless ``KVLIB_THREADS`` says otherwise.
+
+    One thread, because on a busy 2-core laptop a second OpenMP thread mostly waits for a core (a
+    SmolLM2 forward of 6 tokens took 0.15 s on one thread and 3.2 s on two while other work ran).
+    ``KVLIB_THREADS=2 make test`` runs everything on two: other reduction orders, the same results
+    wherever a notebook's outputs are compared.
+    """
+    raw = os.environ.get("KVLIB_THREADS", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"KVLIB_THREADS must be a whole number >= 1, got {raw!r}")
+    return n
 
 
 def device_name() -> str:

@@ -1,0 +1,249 @@
+"""Values that nbval may compare because they are exact by construction (tests/test_nbval_policy.py).
+
+Per file (relative to the repository): (pattern, reason). A pattern matches the words around the
+value, so a new float printed elsewhere in the same cell is still caught; patterns anchored with ^/$
+carry (?m). Remove an entry when its cell changes: a test fails on an entry that matches nothing.
+"""
+
+EXACT = {
+    "notebooks/00_setup.ipynb": [
+        (r"max \|triton - torch\| = 0\.0\b",
+         "an elementwise add is bitwise exact (IEEE rounding of one sum), the cell asserts max_err == 0.0"),
+    ],
+    "notebooks/01_attention.ipynb": [
+        (r"a=0\.9: influence of a token +\d+ steps back = a\^\d+ = \S+",
+         "a config constant 0.9 and Python float powers of it (0.9**10), printed to 3 digits"),
+        (r"989 TFLOP/s ÷ 3\.35 TB/s",
+         "H100 datasheet numbers"),
+        (r"at S = [\d,]+ does \d+\.\d+ FLOPs per byte",
+         "plain Python arithmetic on integer head counts and sizes (4·H·S·D / bytes of Llama-3-8B shapes)"),
+    ],
+    "notebooks/02_naive_decoding.ipynb": [
+        (r"rope_theta +10000\.0",
+         "a config constant"),
+        (r"naive \d\.\d+e\+\d+ FLOPs, cached \d\.\d+e\+\d+ FLOPs",
+         "FLOP model on datasheet integers (LLaMA-7B parameter count, layers, width), summed in float64 over "
+         "integer-valued terms; far from any rounding boundary at 3 digits"),
+        (r"one recomputed token row: \d+\.\d GFLOPs",
+         "Python arithmetic on the LLaMA-7B parameter count"),
+        (r"at the H100's 989 TFLOP/s the waste, \d\.\de\+\d+ FLOPs",
+         "H100 datasheet number and the same integer FLOP model"),
+    ],
+    "notebooks/03_kv_cache.ipynb": [
+        (r"'temperature': 0\.8",
+         "a sampling-config constant"),
+        (r"files in\\nan intermediate",
+         "no number: the repr's \\n followed by the word 'an' reads as nan (sampled text, token ids checked equal)"),
+        (r"context [\d,]+, \d+\.\d M parameters",
+         "an integer parameter count divided by 1e6"),
+    ],
+    "solutions/00_setup_lab.ipynb": [
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)",
+         "check()'s tolerances, constants given by the cell (the difference itself is replaced by nbval_sanitize.cfg)"),
+    ],
+    "solutions/01_attention_lab.ipynb": [
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)",
+         "check()'s tolerances, constants given by the cell (the difference itself is replaced by nbval_sanitize.cfg)"),
+    ],
+    "solutions/02_naive_decoding_lab.ipynb": [
+        (r"\(\d+\.\dx as many\)|\d+\.\dx the minimum",
+         "a ratio of two integer row counts"),
+        (r"temperature=\d+\.\d+, 20 draws",
+         "a sampling-config constant in the check's name"),
+    ],
+    "solutions/03_kv_cache_lab.ipynb": [
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)",
+         "check()'s tolerances, constants given by the cell (the difference itself is replaced by nbval_sanitize.cfg)"),
+    ],
+    "notebooks/04_kv_memory.ipynb": [
+        (r"the \d+\.\d GiB of its fp16 weights",
+         "weight bytes = int(n_params * 2) of a model-card constant, divided by 2**30 in plain Python"),
+        (r"the right answer is \d+% of them",
+         "a ratio of two integer byte counts (KV formula on integer configs, int weight bytes), in plain Python"),
+        (r"(?m)^\s*\d+\s+\S+(\s+\d+){6}\s+\d+\.0\s+\d+\.\d\d\s+\d+\.\d\s*$",
+         "kv_table rows (text/plain): integer config columns, then KiB per token, GiB at full context and weight GiB, "
+         "each an integer byte count / 2**k in plain Python, rounded by pandas; the column layout is pinned, so a new "
+         "float column breaks the match"),
+        (r"(?m)^\s*<td>\d+\.\d\d?</td>$",
+         "kv_table rows (text/html), one cell per line: the same exact KiB/GiB values; the text/plain pattern of this "
+         "table pins its column layout, so a new float column is still caught there"),
+        (r"\d+\.\d\d GiB of cache at [\d,]+ tokens vs \d+\.\d GiB of weights",
+         "integer KV bytes at max context and int weight bytes, divided by 2**30 in plain Python"),
+        (r"weights \d+\.\d GiB \(fp16\)", "int weight bytes of a model-card constant / 2**30, plain Python"),
+        (r"KV cache \d+\.\d\d GiB:", "integer KV bytes (formula on integer configs) / 2**30"),
+        (r"takes \d+\.\d\d GiB of the \d+\.\d\d GiB left \(\d+%\)",
+         "kvlib.memory.fit: integer byte counts / 2**30 and their ratio, plain Python"),
+        (r"needs \d+\.\d\d GiB but only \d+\.\d\d GiB are left after the weights and the reserve \(\d+\.\dx too much\)",
+         "kvlib.memory.fit: integer byte counts / 2**30 and their ratio, plain Python"),
+        (r"weights \(\d+\.\d GiB\) plus the reserve \(\d+\.\d GiB\) already exceed the GPU's \d+\.\d GiB",
+         "kvlib.memory.fit: integer byte counts (weights, reserve, GPU size) / 2**30"),
+        (r"fits \d+\.\d× as many", "ratio of two integer max_batch results (floor divisions of byte counts)"),
+        (r"INT8 keeps \d+\.\d\d% of the fp16 cache, not 50%",
+         "ratio of two integer bytes-per-token counts (11,880 / 23,040); 50% is text"),
+        (r"recomputing it ~\d\.\d\de\+\d+ FLOPs", "2 * n_params, a model-card constant, in plain Python"),
+        (r"FLOP/s grew \d+\.\d× and bandwidth \d+\.\d×", "ratios of datasheet constants (312e12/989e12, 2.039e12/3.35e12)"),
+        (r"with \d+\.\d× the bandwidth", "ratio of datasheet bandwidths (4.8e12 / 3.35e12)"),
+        (r"A100→H100 factor of \d+\.\d\d", "ratio of two ridge points, each datasheet FLOP/s / datasheet bytes/s"),
+        (r"Llama-3\.1-8B", "a model name (and its config URL), not a number"),
+    ],
+    "solutions/04_kv_memory_lab.ipynb": [
+        (r"(?m)^\S+\s+\d+ KiB\s+[\d,]+\s+\d+\.\d\d GiB$",
+         "per-model table: integer KV bytes at max context (formula on integer configs) / 2**30, plain Python"),
+        (r"(?m)^\S+\s+\d+ GiB\s*\d+\.\d GiB\s+[\d,]+\s+\d+$",
+         "per-model table: int weight bytes of a model-card constant / 2**30; the sequence count is an integer"),
+        (r"\(atol=[\de.+-]+, rtol=[\de.+-]+\)",
+         "the checker's tolerances: constants passed to check(); the difference itself is sanitized, and check() "
+         "raises if it is beyond them"),
+        (r"bandwidth \d\.\d+e\+\d+ B/s", "the bandwidth constant 3.35e12 set in the cell"),
+        (r"weights\s+\d+\.\d GiB \+ KV\s+\d+\.\d GiB -> at least\s+\d+\.\d ms per step",
+         "integer byte counts / 2**30, and (weights + KV bytes) / a bandwidth constant, all plain Python floats"),
+        (r"floor / Llama-3-8B's: \d+\.\d", "ratio of two plain-Python time floors computed from constants"),
+        (r"Llama-3\.1-8B", "a model name, not a number"),
+    ],
+    "notebooks/05_paged_kv.ipynb": [
+        (r"(?m)^(contiguous|paged, block \d+)\s+\d+\.\d{3}\s+\d+\.\d{3}(\s+\d+)?\s*\\?$",
+         "kvlib.pool_sim results (text/plain): pure-Python integer simulation of a seeded random.Random workload; the "
+         "shares are sums of integer ratios in a fixed order, mean running = integer sum / iterations"),
+        (r"(?m)^\s*<td>\d+\.\d{3}</td>$",
+         "pool_sim tables (text/html), one cell per line: the same exact shares as the text/plain rows (round(3))"),
+        (r"Contiguous reservation: \d+\.\d% of the allocated KV memory", "pool_sim utilization (pure-Python simulation)"),
+        (r"the paper's 20–40%", "a quoted range, text"),
+        (r"paged, block 16: \d+\.\d%, a waste of \d+\.\d%", "pool_sim utilization (pure-Python simulation)"),
+        (r"the paper's 4%", "a quoted figure, text"),
+        (r"on average: \d+\.\d → \d+\.\d \(\d+\.\d×\)", "pool_sim mean running = integer sum / integer iterations"),
+        (r"prefill included: [\d,]+ → [\d,]+ \(\d+\.\d× (fewer|more)\)", "ratio of two integer step counts"),
+        (r"again: \d+% of the workload's", "ratio of two integer token counts"),
+        (r"\*\*thrashing\*\*: \d+% of all the tokens", "ratio of two integer token counts"),
+        (r"(?m)^0\.\d\d(\s+\d+(\.\d{3})?)+\s*\\?$",
+         "watermark table rows (text/plain): the index is the watermark constant, the values pool_sim integers and "
+         "shares (pure-Python simulation)"),
+        (r"(?m)^\s*<th>0\.\d\d</th>$", "watermark table index (text/html): the watermark constants 0.0 .. 0.3"),
+        (r"vLLM's default watermark, 0\.01 \(", "the watermark constant"),
+        (r"watermark \d\.\d+, [\d,]+ steps \(\d+% fewer than with none\)",
+         "a watermark constant and a ratio of integer step counts"),
+        (r"at \d\.\d+, \d+ preemptions, but \d+\.\d requests run at once instead of \d+\.\d, tokens fill \d+\.\d% of the "
+         r"pool instead of \d+\.\d%",
+         "a watermark constant, pool_sim mean running (integer sum / iterations) and pool usage (pure-Python simulation)"),
+        (r"hardly moves \(\d+\.\d% → \d+\.\d%\)", "pool_sim utilization (pure-Python simulation)"),
+        (r"steps against [\d,]+ at \d\.\d+\)", "a watermark constant"),
+        (r"tokens / allocated \d+\.\d%$", "pool_sim utilization (pure-Python simulation)"),
+        (r"'temperature': 0\.8", "a sampling argument, a constant"),
+    ],
+    "solutions/05_paged_kv_lab.ipynb": [
+        (r"\(atol=[\de.+-]+, rtol=[\de.+-]+\)",
+         "the checker's tolerances: constants passed to check(); the difference itself is sanitized, and check() "
+         "raises if it is beyond them"),
+    ],
+    "notebooks/08_serving.ipynb": [
+        (r"\(rate \d+\.\d+ per step\)", "the arrival-rate constant RATE"),
+        (r"(?m)^(static, [a-z +]+?|continuous \(\w+\))\s+\d+\s+\d+\.\d\d(\s+\d+\.\d+){4}\s+\d+$",
+         "engine step metrics: tokens / steps (integers), percentiles of integer TTFTs and of integer ratios (TPOT), "
+         "from the engine's step counter on a seeded trace; wall-clock columns are in a tagged cell"),
+        (r"\(\d+\.\d\dx (fewer|more)\): \d+\.\d\d vs \d+\.\d\d output tokens per step",
+         "ratios of integer step and token counts"),
+        (r"\*\*TPOT\*\*: static \d+\.\d\d / \d+\.\d\d, continuous \d+\.\d\d / \d+\.\d\d steps per token",
+         "percentiles of integer step ratios"),
+        (r"steps \([+-]\d+%\)", "ratio of two integer step counts"),
+        (r"(?m)^(ample pool|\d+ blocks, (recompute|swap))(\s+\d+){5}(\s+\d+\.\d\d){3}$",
+         "preemption table: integer counts, MiB = integer blocks x integer block bytes / 2**20, percentiles of integer "
+         "TTFT/TPOT step counts"),
+        (r"prefilling [\d,]+ tokens again \(\d+% of the trace's", "ratio of two integer token counts"),
+        (r"out and back \(\d+\.\d+ MiB\)", "integer blocks x integer block bytes / 2**20"),
+        (r"TPOT p99 to \d+\.\d\d and \d+\.\d\d steps per token", "percentiles of integer step ratios"),
+        (r"(A100|H100) SXM \(PCIe Gen\d\)\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s+(every n|[\d,]+)\s+\d+\.\d\d$",
+         "CALCULATED table: datasheet FLOP/s and PCIe bandwidth constants and integer model configs, plain Python"),
+        (r"\(\d+\.\d vs \d+\.\d µs per token\)", "two values of the calculated datasheet table"),
+        (r"(?m)^(off|on)\s+\d+\.\d{3}\s+\d+\s+\d+\s+\d+\.\d+\s+\d+\.\d+$",
+         "prefix-caching table: hit rate = integer cached / integer prompt tokens, percentiles of integer TTFTs"),
+        (r"served \d+\.\d% of the prompt tokens from the cache", "integer cached / integer prompt tokens"),
+        (r"TTFT median \d+\.\d vs \d+\.\d steps, p99 \d+\.\d vs \d+\.\d\.", "percentiles of integer TTFT step counts"),
+        (r"never shared — is \d+\.\d%\.", "the ceiling: a ratio of integer token counts"),
+        (r"(?m)^(device only|\+ host \(\d+\)|\+ host \(\d+\) \+ disk \(\d+\))(\s+\d+\.\d{3}){4}(\s+\d+){3}(\s+\d+\.\d+){6}$",
+         "tier table: hit shares = integer tokens / integer prompt tokens, integer counts, percentiles of integer "
+         "step counts, MiB = integer bytes / 2**20"),
+        (r"\(against \d+\.\d% with \d+ blocks above\)",
+         "integer cached / integer prompt tokens"),
+        (r"another \d+\.\d% of the prompt tokens \(\d+\.\d% in all\)", "integer cached / integer prompt tokens"),
+        (r"\(\d+\.\dx fewer\), for \d+\.\d MiB copied down and \d+\.\d MiB back",
+         "ratio of integer token counts; integer bytes / 2**20"),
+        (r"With only 4 host blocks, \d+\.\d% of the prompt tokens came back from disk",
+         "integer cached / integer prompt tokens"),
+        (r"TTFT moved from \d+\.\d to \d+\.\d steps at the median and from \d+\.\d to \d+\.\d at p99",
+         "percentiles of integer TTFT step counts"),
+        (r"ceiling of \d+\.\d% counts", "a ratio of integer token counts"),
+        (r"swap copied \d+\.\d+ MiB instead", "integer blocks x integer block bytes / 2**20"),
+        (r"hit rate \d+% on the RAG-like workload \(ceiling \d+%\)", "ratios of integer token counts"),
+        (r"blocks \d+% on the device alone, \d+% with a host tier", "ratios of integer token counts"),
+        (r"\d+% of the prompt tokens from disk", "a ratio of integer token counts"),
+    ],
+    "solutions/08_serving_lab.ipynb": [
+        (r"swap \d+\.\d\d µs per token, recompute 1\.5 \+ 0\.0021 n µs per token: equal at n = \d+\.\d",
+         "constants of the cell's cost model (1.5 µs, 2.1 ns, 12e9 B/s) and an integer byte count, plain Python"),
+        (r"(?m)recompute\s+\d+\.\d{3} ms, swap\s+\d+\.\d{3} ms -> (swap|recompute)$",
+         "the cell's closed-form cost model on integer token counts, plain Python floats"),
+    ],
+    "notebooks/06_int8_kv.ipynb": [
+        # cell 3 (54ec505e): six float32 constants, quantized elementwise (abs-max, one IEEE division, round
+        # half away from zero, one multiply): correctly rounded operations with no reduction order, the same on every CPU
+        (r"(?m)^x\s+\[[-\d., ]+\]$", "the six float32 constants of the example, printed by tolist(): exact"),
+        (r"(?m)^scale\s+\d\.\d+ = max\|x\| / 127$", "max|x| / 127 of the constants: one IEEE division, exact"),
+        (r"(?m)^x_hat\s+\[[-\d., ]+\]$", "q * scale of the constants, rounded to 4 places: elementwise IEEE ops, exact"),
+        (r"(?m)^max error \d\.\d{5} <= half a step \d\.\d{5}$", "max of elementwise |x_hat - x| and scale / 2 of the constants: exact"),
+        # cell 16 (c30d9f5e)
+        (r"int8 / fp16 = \d\.\d{4} = \(D \+ 2\) / \(2D\) = \d\.\d{4} for D = 128",
+         "ratio of kv_cache_bytes integers (scales counted) and (D + 2) / (2D) in Python floats: exact"),
+    ],
+    "notebooks/07_gqa.ipynb": [
+        # cell 3 (6058199c): the REAL_MODELS table, config integers only
+        (r"<th>Llama-3\.1-8B</th>", "a model's name"),
+        (r"<td>0\.(000|875|750|857|667)</td>", "(h - g) / h of config integers, rounded to 3 places"),
+        (r"<td>((512|800|320|128|56)\.0|22\.5)</td>", "kv_bytes_per_token (an integer) / 1024"),
+        (r"(?m)^\s*[A-Za-z][\w.-]*\s+\d+\s+\d+\s+(MHA|GQA|MQA)\s+\d\.\d{3}\b",
+         "model, h, g, kind, (h - g) / h of config integers"),
+        (r"(?m)^\s*(LLaMA|Llama|Mistral|Qwen|SmolLM)[\w.-]*\s+\d+\.\d\s*$", "model, kv_bytes_per_token (an integer) / 1024"),
+        # cell 4 (03891544)
+        (r"g=\s*\d+:\s+\d+\.\d\d GiB  \(saving \d+%\)", "kv_cache_bytes (an integer) / 2**30 and (H - g) / H of integers"),
+        # cell 6 (4305f25a)
+        (r"caches [\d,]+, \d+% fewer", "1 - ratio of two output widths (integers)"),
+        # cell 8 (dde77498)
+        (r"(?m)^\s*\d+\s+\d+\.\d MiB\s+\d+\.\d MiB\s+\d+\.\d MiB\s+\d+x vs repeat, \d+x vs per-head$",
+         "byte counts of integer arithmetic / 2**20, and their integer ratios"),
+        # cell 14 (4f6c4159)
+        (r"\*\*\d+\.\d KiB per token\*\*", "kv_cache_bytes of SmolLM2's config (an integer) / 1024"),
+        (r"would take \d+\.\d KiB, \d+x more", "kv_cache_bytes with n_heads K/V heads (an integer) / 1024, ratio of integers"),
+        # cell 26 (0831d7fe)
+        (r"weights (fp16|int8) \(\s*\d+\.\d GiB\)", "int(n_params x bytes) from the model card constant / 2**30"),
+        (r"\d+\.\dx the \d+ of Llama-2-7B", "ratio of two max_batch integers"),
+        (r"INT8 \(\d\.\d\dx per token, scales included\)", "ratio of two kv_bytes_per_token integers"),
+        (r"weights take \d+% of the GPU", "weight bytes (an integer) / 80 GiB"),
+    ],
+    "notebooks/09_keeping_less.ipynb": [
+        # cells 5 (c4ea0d18) and 25 (b5153094) print kvlib's kernel source: these are its literals, not results
+        (r"other=0\.0\)", "a literal in the printed kernel source"),
+        (r"m_i = -1\.0e30", "a literal in the printed kernel source"),
+        (r"l_i = 0\.0", "a literal in the printed kernel source"),
+        (r"float\(\"-inf\"\)", "a literal in the printed kernel source"),
+        # cell 32 (e67a083f): MLA configs from config.json, integer byte counts
+        (r"<td>(1\.4|11\.2)%</td>", "MLA / MHA: ratio of two integer byte counts"),
+        (r"(?m)^\d+\s+(1\.4|11\.2)%\s*$", "MLA / MHA column: ratio of two integer byte counts"),
+        (r"\(\d+\.\d% of MHA\)", "MLA / MHA: ratio of two integer byte counts"),
+        (r"\*\*\d\.\d\d\*\* groups of 128-dim heads, the paper's 2\.25",
+         "mla_gqa_groups: (kv_lora_rank + qk_rope_head_dim) / (2 x 128) of config integers; the paper's figure"),
+        (r"The paper's 93\.3% KV-cache reduction", "a figure quoted from the DeepSeek-V2 paper"),
+    ],
+    "solutions/06_int8_kv_lab.ipynb": [
+        # cell 7 (72022b45)
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
+        (r"(?m)^ties: \[[-\d., ]+\] ->", "the tie constants of the rounding test (exact in float32)"),
+    ],
+    "solutions/07_gqa_lab.ipynb": [
+        # cells 11 (29ae72ca) and 16 (cacf0001)
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
+        # cell 18 (41efcfb0)
+        (r"saving \(h-g\)/h = \d+\.\d%", "(h - g) / h of integers"),
+    ],
+    "solutions/09_keeping_less_lab.ipynb": [
+        # cell 12 (c23908dd)
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
+    ],
+}
