@@ -11,3 +11,19 @@ if not torch.cuda.is_available():
     # One CPU thread per test process unless KVLIB_THREADS says otherwise (runtime.cpu_threads): on a
     # 2-core machine the two pytest-xdist workers already take both cores.
     torch.set_num_threads(runtime.cpu_threads())
+
+
+# The longest notebooks first: pytest-xdist (--dist loadscope) hands out whole notebooks in collection
+# order, so the one that takes longest must start at once or the run waits for it at the end.
+LONGEST_FIRST = ["notebooks/09_keeping_less.ipynb", "notebooks/07_gqa.ipynb", "notebooks/08_serving.ipynb",
+                 "notebooks/03_kv_cache.ipynb"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        path = item.path.relative_to(config.rootpath).as_posix() if item.path.is_relative_to(config.rootpath) else ""
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: everything else keeps its order

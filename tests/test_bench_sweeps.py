@@ -21,10 +21,11 @@ GPU = runtime.mode() == "gpu"
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """``python -m kvlib.bench --quick`` exactly as a learner or CI runs it (a fresh process)."""
+    """``python -m kvlib.bench --quick --smoke`` in a fresh process, as a learner runs ``--quick`` but with
+    one point per sweep (the same code paths, every sweep, plot and file; the notebooks run the quick sizes)."""
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, "-m", "kvlib.bench", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kvlib.bench", "--quick", "--smoke", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
@@ -41,7 +42,7 @@ def test_quick_run_writes_every_sweep_with_stamp_and_plots(quick_run):
     for name in sweeps.SWEEPS:
         assert (out / f"{name}.png").stat().st_size > 10_000, name
     st = json.loads((out / "stamp.json").read_text())
-    assert st["copy_bandwidth_gbps"] > 0 and st["quick"] is True
+    assert st["copy_bandwidth_gbps"] > 0 and st["quick"] is True and st["smoke"] is True
     if not GPU:
         assert "No headline points" in (out / "summary.md").read_text()  # they need a GPU
     assert "rows in" in proc.stdout
@@ -279,7 +280,7 @@ def test_targets_prints_the_reference_headline_on_a_cpu(capsys):
 
 @pytest.mark.skipif(GPU, reason="CPU shapes")
 def test_paged_rows_carry_their_block_size():
-    rows = sweeps.run(["paged"], progress=False)
+    rows = sweeps.run(["paged"], smoke=True, progress=False)
     for r in rows:
         if "block" in r["kernel"]:
             assert r["block_size"] == int(r["kernel"].split("block ")[1]), r

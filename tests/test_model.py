@@ -110,6 +110,22 @@ def test_forward_rejects_wrong_rank():
         model(torch.zeros(5, dtype=torch.long))
 
 
+def test_logits_to_keep_gives_the_last_positions_of_the_full_forward():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64)).eval()
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        full = model(ids)
+        assert model(ids, logits_to_keep=0).shape == (2, 9, 50)
+        for n in (1, 3, 9):
+            kept = model(ids, logits_to_keep=n)
+            assert kept.shape == (2, n, 50)
+            torch.testing.assert_close(kept, full[:, -n:], rtol=1e-5, atol=1e-5)
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            model(ids, logits_to_keep=bad)
+
+
 def test_num_params_matches_the_module():
     for tie in (False, True):
         cfg = ModelConfig(vocab_size=77, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96,

@@ -1,4 +1,4 @@
-"""``python -m kvlib.bench [--quick] [--only NAME ...] [--out DIR] [--budget-s S]``
+"""``python -m kvlib.bench [--quick | --smoke] [--only NAME ...] [--out DIR] [--budget-s S]``
 
 Runs the benchmark sweeps (see ``kvlib.bench.sweeps``) and writes to DIR (default ``bench-out``):
 - ``results.csv``: one row per measurement, stamped (device, driver, CUDA, torch, triton, date);
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="fewer points (CPU: PyTorch paths at small sizes + interpreter correctness, < 3 min)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one point per sweep, the smallest: the whole harness end to end in well under a minute")
     ap.add_argument("--only", action="append", metavar="NAME", choices=list(SWEEPS),
                     help=f"run only this sweep (repeatable): {', '.join(SWEEPS)}")
     ap.add_argument("--out", default="bench-out", help="folder for results.csv, summary.md and the PNGs")
@@ -50,10 +52,10 @@ def main(argv=None) -> int:
     names = args.only or list(SWEEPS)
     t0 = time.perf_counter()
     print(f"kvlib.bench: {runtime.mode()} mode on {runtime.device_name()}; sweeps {', '.join(names)}"
-          f"{' (quick)' if args.quick else ''}", flush=True)
-    rows = run(names, quick=args.quick, budget_s=args.budget_s)
+          f"{' (quick)' if args.quick else ''}{' (smoke)' if args.smoke else ''}", flush=True)
+    rows = run(names, quick=args.quick, smoke=args.smoke, budget_s=args.budget_s)
     st = stamp()
-    st.update(copy_bandwidth_gbps=round(copy_bandwidth_gbps(), 1), quick=args.quick, sweeps=names,
+    st.update(copy_bandwidth_gbps=round(copy_bandwidth_gbps(), 1), quick=args.quick, smoke=args.smoke, sweeps=names,
               command=" ".join(["python -m kvlib.bench", *(argv if argv is not None else sys.argv[1:])]),
               seconds=round(time.perf_counter() - t0, 1))
     write_csv(rows, out / "results.csv")

@@ -87,6 +87,9 @@ WORKLOADS = {
                    "max_num_seqs": 4, "max_batched_tokens": 64, "block_size": 16, "num_blocks": 12},
     },
 }
+# --smoke: the first (smallest) entry of every list, one point per sweep: the harness end to end in seconds.
+WORKLOADS.update({f"{kind}_smoke": {sweep: {k: v[:1] if isinstance(v, list) else v for k, v in w.items()}
+                                    for sweep, w in WORKLOADS[kind].items()} for kind in ("gpu", "cpu")})
 # engine: loads = mean requests arriving per engine step (Poisson), from about one request running at a
 # time to more than max_num_seqs can serve; requests in the trace; prompt and output = (median, cap) of
 # their log-normal lengths in tokens; the rest are Engine's arguments (the pool, num_blocks, is kept below
@@ -140,10 +143,11 @@ def _shapes(ctx, sweep):
 class Ctx:
     """What a sweep needs to know about this run."""
 
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, smoke: bool = False):
         self.gpu = runtime.mode() == "gpu"
         self.quick = quick
-        self.sizes = WORKLOADS[("gpu_quick" if quick else "gpu") if self.gpu else "cpu"]
+        kind = ("gpu_quick" if quick else "gpu") if self.gpu else "cpu"
+        self.sizes = WORKLOADS[f"{kind.split('_')[0]}_smoke" if smoke else kind]
         self.device = runtime.DEVICE
         self.dtype = torch.float16 if self.gpu else torch.float32  # CPU matmuls are slow in fp16
         self.check_dtype = torch.float16  # interpreter correctness points: the GPU's dtype
@@ -784,10 +788,11 @@ def _max_err(out, ref) -> float | None:
     return float((out.float() - ref.float()).abs().max())
 
 
-def run(names=None, *, quick: bool = False, budget_s: float | None = None, progress: bool = True,
-        ctx: Ctx | None = None) -> list[dict]:
+def run(names=None, *, quick: bool = False, smoke: bool = False, budget_s: float | None = None,
+        progress: bool = True, ctx: Ctx | None = None) -> list[dict]:
     """Run the named sweeps (all by default) and return their result rows (see ``results.COLUMNS``).
 
+    smoke: one point per sweep (the smallest), to check the whole harness in seconds.
     budget_s: stop starting new points after this many seconds (the rest get a "skipped" row).
     ctx: a prepared ``Ctx`` (tests use one to walk the GPU branches with tiny sizes on a CPU).
     """
@@ -798,7 +803,7 @@ def run(names=None, *, quick: bool = False, budget_s: float | None = None, progr
     if unknown:
         raise ValueError(f"unknown sweep(s) {unknown}; choose from {list(SWEEPS)}")
     torch.manual_seed(0)
-    ctx = ctx or Ctx(quick)
+    ctx = ctx or Ctx(quick, smoke)
     st = stamp()
     base = {k: st[k] for k in ("device", "mode", "driver", "cuda", "torch", "triton", "date")}
     points = [p for n in names for p in SWEEPS[n](ctx)]
