@@ -1,7 +1,7 @@
 # Two commands do everything (see README "Quickstart"):
 #   make lab    set up whatever is missing, then open the course in JupyterLab
 #   make test   set up whatever is missing, then run every test (pytest + nbval)
-#               (JOBS=2 workers, THREADS=1 CPU thread each; `make test THREADS=2` checks another thread count)
+#               (JOBS=2 workers, THREADS=1 CPU thread each; `make test THREADS=2 JOBS=1` tries two threads)
 # Setup is a virtual environment in .venv; it is (re)built when pyproject.toml changes.
 # TORCH_SPEC lets you choose the PyTorch build, e.g. a CPU-only wheel on a laptop:
 #   make lab TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"

@@ -8,8 +8,8 @@ keeps ASCII ones longer than 40 characters, drops duplicates, and joins them in 
 document followed by the end-of-text byte. ``split_corpus`` holds out every 20th document for
 validation (documents, not characters, so no text leaks across the split).
 
-The standard library's docstrings change between Python versions (4,758 documents on 3.10, 4,838 on
-3.11, 4,860 on 3.12, 4,715 on 3.13), so the text a chapter reads must not be "whatever this Python
+The standard library's docstrings change between Python versions (4,758 documents on 3.10.13, 4,838
+on 3.11.7, 4,860 on 3.12.1, 4,715 on 3.13.0; 3,967 of them identical on all four), so the text a chapter reads must not be "whatever this Python
 has". ``course_texts()`` gives the chapters one text on every Python from 3.10 to 3.13: the documents
 that are identical on all four, in the order and split the tiny model was trained with (Python 3.11).
 It finds them by the SHA-256 of each document, listed in ``assets/tiny/corpus_index.txt`` (hashes, no

@@ -118,8 +118,8 @@ def cpu_threads() -> int:
 
     One thread, because on a busy 2-core laptop a second OpenMP thread mostly waits for a core (a
     SmolLM2 forward of 6 tokens took 0.15 s on one thread and 3.2 s on two while other work ran).
-    ``KVLIB_THREADS=2 make test`` runs everything on two: other reduction orders, the same results
-    wherever a notebook's outputs are compared.
+    ``make test THREADS=2 JOBS=1`` (which sets ``KVLIB_THREADS``) runs everything on two: other
+    reduction orders, the same results wherever a notebook's outputs are compared.
     """
     raw = os.environ.get("KVLIB_THREADS", "1")
     try:

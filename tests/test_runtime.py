@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import kvlib
@@ -109,3 +110,14 @@ def test_fp32_dots_default_to_full_precision_unless_the_user_chose():
     env["TRITON_F32_DEFAULT"] = "tf32"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "tf32", out.stderr
+
+
+def test_cpu_threads_is_one_unless_kvlib_threads_says_otherwise(monkeypatch):
+    monkeypatch.delenv("KVLIB_THREADS", raising=False)
+    assert runtime.cpu_threads() == 1
+    monkeypatch.setenv("KVLIB_THREADS", "2")
+    assert runtime.cpu_threads() == 2
+    for bad in ("0", "two", "-1", ""):
+        monkeypatch.setenv("KVLIB_THREADS", bad)
+        with pytest.raises(ValueError, match="KVLIB_THREADS"):
+            runtime.cpu_threads()
