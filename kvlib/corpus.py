@@ -178,8 +178,7 @@ def course_texts(docs: list[str] | None = None) -> tuple[str, str]:
     The held-out documents are ones the tiny model never trained on (its validation split).
     """
     train, val = course_docs(docs)
-    eos = chr(ByteTokenizer.eos_id)
-    return eos.join(train) + eos, eos.join(val) + eos
+    return _join(train), _join(val)
 
 
 def write_index(pythons: list[str], path: Path = INDEX, every: int = 20) -> int:
@@ -225,8 +224,13 @@ def split_corpus(docs: list[str], every: int = 20) -> tuple[str, str]:
     with the end-of-text byte so the model learns where documents stop."""
     train = [d for i, d in enumerate(docs) if i % every]
     val = [d for i, d in enumerate(docs) if i % every == 0]
+    return _join(train), _join(val)
+
+
+def _join(docs: list[str]) -> str:
+    """The documents as one text, each followed by the end-of-text byte."""
     eos = chr(ByteTokenizer.eos_id)
-    return eos.join(train) + eos, eos.join(val) + eos
+    return eos.join(docs) + eos
 
 
 def fingerprint(text: str) -> str:
