@@ -70,7 +70,7 @@ def check_kernel_dtype(what: str, name: str, t: torch.Tensor, dot: bool = False)
         raise TypeError(f"{what}: {name} is torch.bfloat16, which Triton's interpreter (CPU mode) computes "
                         "wrongly in this kernel; use float16 or float32 (or the _ref version)")
     if mode == "gpu":
-        major, minor = torch.cuda.get_device_capability(t.device if t.device.type == "cuda" else None)
+        major, minor = runtime.capability(t.device if t.device.type == "cuda" else "cuda")
         if major < 8:
             raise TypeError(f"{what}: {name} is torch.bfloat16, which needs a GPU of compute capability 8.0 "
                             f"or newer; this one is {major}.{minor}: use float16")

@@ -130,7 +130,7 @@ def _decode_kernel(
     stride_kb, stride_kh, stride_ks,  # k strides: per sequence (per block if PAGED), per head, per position
     stride_vb, stride_vh, stride_vs,  # v strides, the same way
     stride_bt,  # block table row stride (PAGED only)
-    H, D, n_rep, split_len,  # query heads, head dim, query heads per K/V head, positions per split
+    H, D, n_rep,  # query heads, head dim, query heads per K/V head
     block_size,  # positions per cache block (PAGED only)
     qk_scale,  # 1/sqrt(D) * log2(e)
     PAGED: tl.constexpr,  # False: contiguous cache (chapter 03); True: K/V found through the block table
@@ -139,12 +139,18 @@ def _decode_kernel(
     TILE_N: tl.constexpr,  # cached positions per inner step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
 ):
-    pid_bh = tl.program_id(0)  # which (sequence, query head)
+    pid_bh = tl.program_id(0).to(tl.int64)  # which (sequence, query head); 64-bit, see below
     split = tl.program_id(1)  # which slice of the positions
+    # Offsets in 64 bits: Triton passes strides below 2**31 as int32, and b * stride_kb is computed in the
+    # type of its operands, so with 32-bit b it wraps once (B-1) * H_KV * S_max * D passes 2**31 (B = 32,
+    # 8 K/V heads, 64K positions, D = 128 already does). A 64-bit b makes every product below 64-bit.
     b = pid_bh // H
     h = pid_bh % H
     kv_h = h // n_rep
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # Split-K sized by this sequence's own length (as vLLM and SGLang do), in multiples of 16 positions:
+    # sized by S_max instead, a short sequence's positions would all land in the first split.
+    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), 16) * 16
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
 
@@ -159,11 +165,12 @@ def _decode_kernel(
         pos_ok = pos < end
         if PAGED:  # the only difference from a contiguous cache: where position `pos` lives
             blk = tl.load(block_table_ptr + b * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
-            k_rows = k_ptr + blk * stride_kb + (pos % block_size) * stride_ks + kv_h * stride_kh  # (TILE_N,)
-            v_rows = v_ptr + blk * stride_vb + (pos % block_size) * stride_vs + kv_h * stride_vh
+            slot = (pos % block_size).to(tl.int64)  # position inside its block
+            k_rows = k_ptr + blk * stride_kb + slot * stride_ks + kv_h * stride_kh  # (TILE_N,)
+            v_rows = v_ptr + blk * stride_vb + slot * stride_vs + kv_h * stride_vh
         else:
-            k_rows = k_ptr + b * stride_kb + kv_h * stride_kh + pos * stride_ks  # (TILE_N,)
-            v_rows = v_ptr + b * stride_vb + kv_h * stride_vh + pos * stride_vs
+            k_rows = k_ptr + b * stride_kb + kv_h * stride_kh + pos.to(tl.int64) * stride_ks  # (TILE_N,)
+            v_rows = v_ptr + b * stride_vb + kv_h * stride_vh + pos.to(tl.int64) * stride_vs
         k = tl.load(k_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
                     other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,) one query: a row of dot products
@@ -199,7 +206,7 @@ def _merge_splits_kernel(
     SPLITS: tl.constexpr,  # number of partial results per (sequence, head)
     TILE_D: tl.constexpr,  # head dim padded to a power of two
 ):
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets, as in _decode_kernel
     b = pid_bh // H
     h = pid_bh % H
     splits = tl.arange(0, SPLITS)
@@ -213,22 +220,25 @@ def _merge_splits_kernel(
     tl.store(o_ptr + b * stride_ob + h * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=dims < D)
 
 
-def _decode_tile_n(TILE_D: int) -> int:
-    """Cached positions per inner step on a GPU: 4096 elements per K (or V) tile."""
-    return max(16, 4096 // TILE_D)
+def _decode_tile_n(TILE_D: int, element_size: int = 2) -> int:
+    """Cached positions per inner step on a GPU: 8 KB per K (or V) tile, so 32 rows of 128 fp16 values
+    or 16 of fp32 (32 fp32 rows spill on sm_80: ``python -m kvlib.compile_check --module cache``)."""
+    return max(16, 8192 // (TILE_D * element_size))
 
 
-def choose_splits(batch_heads: int, max_len: int) -> int:
+def choose_splits(programs: int, max_len: int) -> int:
     """How many programs share one sequence's positions (split-K), as a power of two.
 
-    Enough programs to cover the GPU's multiprocessors about twice, but never splits shorter than
-    256 positions (below that, merging costs more than it saves). 1 on the CPU interpreter.
+    programs: how many the grid launches without splitting (B·H for a per-head kernel, B·H_KV for a
+    grouped one). Enough programs to cover the GPU's multiprocessors about twice, but never splits
+    shorter than 256 positions of the longest sequence (below that, merging costs more than it saves).
+    1 on the CPU interpreter.
     """
     if runtime.DEVICE != "cuda" or runtime.INTERPRETER:
         return 1
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = 1
-    while batch_heads * splits < 2 * sms and max_len // (splits * 2) >= 256 and splits < 64:
+    while programs * splits < 2 * sms and max_len // (splits * 2) >= 256 and splits < 64:
         splits *= 2
     return splits
 
@@ -267,14 +277,13 @@ def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, blo
     a paged one, or with scales an int8 one. ``kv_strides``: (k per-sequence-or-block, per-head,
     per-position, then the same for v)."""
     B, H, D = q.shape
-    if num_splits is None:
-        num_splits = choose_splits(B * (H // n_rep), int(seq_lens.max()) if longest is None else longest)
+    if num_splits is None:  # the grid below launches B·H programs per split
+        num_splits = choose_splits(B * H, int(seq_lens.max()) if longest is None else longest)
     check_num_splits(num_splits)
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] and block_table[b, i] with unit strides
     block_table = None if block_table is None else block_table.contiguous()
-    split_len = triton.cdiv(max_len, num_splits)
     TILE_D = max(16, triton.next_power_of_2(D))
-    TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D)
+    TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D, max(k.element_size(), 2))
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
     paged, int8 = block_table is not None, k_scale is not None
@@ -283,7 +292,7 @@ def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, blo
     _decode_kernel[(B * H, num_splits)](
         q, k, v, part, lse, seq_lens, bt, ks, vs, ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
         q.stride(0), q.stride(1), *kv_strides,
-        bt.stride(0) if paged else 0, H, D, n_rep, split_len, block_size,
+        bt.stride(0) if paged else 0, H, D, n_rep, block_size,
         (1.0 / math.sqrt(D)) * 1.4426950408889634,
         PAGED=paged, INT8=int8, SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
     )
@@ -379,7 +388,7 @@ def _store_kv_kernel(
     TILE_T: tl.constexpr,  # new rows per program
     TILE_D: tl.constexpr,  # head dim padded to a power of two
 ):
-    pid_bh = tl.program_id(0)  # which (sequence, K/V head)
+    pid_bh = tl.program_id(0).to(tl.int64)  # which (sequence, K/V head); 64-bit offsets as in _decode_kernel
     pid_t = tl.program_id(1)  # which tile of new rows
     b = pid_bh // H_KV
     h = pid_bh % H_KV
@@ -387,8 +396,8 @@ def _store_kv_kernel(
     rows = pid_t * TILE_T + tl.arange(0, TILE_T)
     dims = tl.arange(0, TILE_D)
     mask = (rows[:, None] < T) & (dims[None, :] < D)
-    src = b * stride_nb + h * stride_nh + rows[:, None] * stride_nt + dims[None, :]
-    dst = b * stride_cb + h * stride_ch + (start + rows)[:, None] * stride_cs + dims[None, :]
+    src = b * stride_nb + h * stride_nh + rows.to(tl.int64)[:, None] * stride_nt + dims[None, :]
+    dst = b * stride_cb + h * stride_ch + (start + rows).to(tl.int64)[:, None] * stride_cs + dims[None, :]
     tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + src, mask=mask), mask=mask)
     tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + src, mask=mask), mask=mask)
 
@@ -582,35 +591,61 @@ class KVCache:
         return out
 
 
-# How tests/test_compile.py builds these kernels for sm_80 and sm_90 (default tiles, D = 128, fp16).
-def _decode_spec(splits: int, paged: bool, int8: bool = False):
-    kv = "*i8" if int8 else "*fp16"
-    sig = {"q_ptr": "*fp16", "k_ptr": kv, "v_ptr": kv, "o_ptr": "*fp32", "lse_ptr": "*fp32",
-           "seq_lens_ptr": "*i32", "block_table_ptr": "*i32", "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16"}
-    sig.update({n: "i32" for n in ("stride_sb", "stride_sh", "stride_qb", "stride_qh", "stride_kb", "stride_kh",
-                                   "stride_ks", "stride_vb", "stride_vh", "stride_vs", "stride_bt", "H", "D",
-                                   "n_rep", "split_len", "block_size")})
-    sig.update(qk_scale="fp32", PAGED="constexpr", INT8="constexpr", SPLITS="constexpr", TILE_N="constexpr",
-               TILE_D="constexpr")
-    return dict(kernel=_decode_kernel, signature=sig,
-                constexprs=dict(PAGED=paged, INT8=int8, SPLITS=splits, TILE_N=_decode_tile_n(128), TILE_D=128))
+# How kvlib.compile_check builds these kernels: the wrappers' own launches at a realistic shape (32 query
+# heads over 8 K/V heads, D = 128, a 1024-position cache holding two ragged sequences), with the tiles the
+# wrappers pick for each GPU.
+def _compile_inputs(dtype=torch.float16, B=2, H=32, H_KV=8, S_max=1024, D=128):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, H_KV, S_max, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, torch.tensor([S_max - 24, S_max // 2 + 5][:B] + [S_max] * max(0, B - 2), dtype=torch.int32)
+
+
+def _decode_loop(a):
+    """What one program of _decode_kernel reads per step: a K and a V tile (and their scales, INT8), which
+    each of the n_rep query heads of a group reads again."""
+    rows = a["TILE_N"]
+    scales = 2 * rows * a["k_scale_ptr"].element_size() if a["INT8"] else 0
+    return dict(bytes=2 * rows * a["TILE_D"] * a["k_ptr"].element_size() + scales, reread=a["n_rep"])
+
+
+def _paged_launch(dtype=torch.float16, block_size=16, splits=1):
+    """The per-head kernel through a block table (chapter 05's first version), blocks in reverse order."""
+    q, k, v, lens = _compile_inputs(dtype)
+    B, H_KV, S_max, D = k.shape
+    n_blocks = B * S_max // block_size
+    pool = (torch.zeros(n_blocks, block_size, H_KV, D, dtype=dtype) for _ in range(2))
+    table = torch.arange(n_blocks, dtype=torch.int32).flip(0).view(B, -1).contiguous()
+    kp, vp = pool
+    strides = (kp.stride(0), kp.stride(2), kp.stride(1), vp.stride(0), vp.stride(2), vp.stride(1))
+    return launch_decode(q, kp, vp, lens, strides, q.shape[1] // H_KV, S_max, splits, block_table=table,
+                         block_size=block_size)
+
+
+def _int8_launch(splits=1):
+    q, k, v, lens = _compile_inputs(torch.float16)
+    kq, vq = k.to(torch.int8), v.to(torch.int8)
+    ks, vs = (torch.ones(k.shape[:3], dtype=torch.float16) for _ in range(2))
+    strides = (kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2))
+    return launch_decode(q, kq, vq, lens, strides, q.shape[1] // k.shape[1], k.shape[2], splits, block_table=None,
+                         block_size=1, k_scale=ks, v_scale=vs)
+
+
+def _store_launch(T):
+    _, k, v, lens = _compile_inputs(torch.float16)
+    new = torch.zeros(k.shape[0], k.shape[1], T, k.shape[3], dtype=k.dtype)
+    store_kv(k, v, new, new, lens - T)
 
 
 COMPILE_SPECS = [
-    _decode_spec(1, paged=False),
-    _decode_spec(8, paged=False),
-    _decode_spec(1, paged=True),
-    _decode_spec(8, paged=True),
-    _decode_spec(1, paged=False, int8=True),
-    _decode_spec(8, paged=False, int8=True),
-    dict(kernel=_merge_splits_kernel,
-         signature={"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*fp16", "stride_ob": "i32", "stride_oh": "i32",
-                    "H": "i32", "D": "i32", "SPLITS": "constexpr", "TILE_D": "constexpr"},
-         constexprs=dict(SPLITS=8, TILE_D=128)),
-    dict(kernel=_store_kv_kernel,
-         signature={"k_new_ptr": "*fp16", "v_new_ptr": "*fp16", "k_cache_ptr": "*fp16", "v_cache_ptr": "*fp16",
-                    "start_ptr": "*i32", **{n: "i32" for n in ("stride_nb", "stride_nh", "stride_nt", "stride_cb",
-                                                              "stride_ch", "stride_cs", "H_KV", "T", "D")},
-                    "TILE_T": "constexpr", "TILE_D": "constexpr"},
-         constexprs=dict(TILE_T=16, TILE_D=128)),
+    *(dict(name=f"decode {dt} 32/8 splits={n}", launch=lambda dt=dt, n=n: decode_attention(
+        *_compile_inputs(getattr(torch, dt)), num_splits=n), archs=archs, loops={"_decode_kernel": _decode_loop})
+      for dt, archs in (("float16", (75, 80, 90)), ("bfloat16", (80, 90)), ("float32", (75, 80, 90)))
+      for n in (1, 8)),
+    *(dict(name=f"decode paged fp16 block {bs} splits={n}", launch=lambda bs=bs, n=n: _paged_launch(
+        block_size=bs, splits=n), loops={"_decode_kernel": _decode_loop}) for bs in (16, 128) for n in (1, 8)),
+    *(dict(name=f"decode int8 splits={n}", launch=lambda n=n: _int8_launch(n), loops={"_decode_kernel": _decode_loop})
+      for n in (1, 8)),
+    dict(name="store 1 token", launch=lambda: _store_launch(1)),
+    dict(name="store 512 tokens", launch=lambda: _store_launch(512)),
 ]

@@ -1,27 +1,49 @@
-"""Prove every Triton kernel in kvlib builds for real GPUs, on a machine without one.
+"""Build every Triton kernel in kvlib for real GPUs, exactly as the JIT would, on a machine without one.
 
-Passing in the interpreter does not prove a kernel compiles: the interpreter runs the kernel
-body as NumPy and accepts code the compiler rejects. Here each kernel module lists its default
-launch configuration in ``COMPILE_SPECS``; we hand each to ``triton.compile`` with an
-``ASTSource`` and a ``GPUTarget`` (sm_80 = A100, sm_90 = H100/H200) and read the cubin's
-resource usage with ``cuobjdump`` (shipped inside the triton wheel): registers per thread and the
-STACK and LOCAL bytes per thread (a stack frame in local memory = register spills; we want 0), and
-check the shared memory a launch needs against what one block may have on that architecture
-(sm_75 = T4: 64 KiB), since a kernel that builds but asks for more fails at its first launch.
+Passing in the interpreter does not prove a kernel compiles: the interpreter runs the kernel body as
+NumPy, accepts code the compiler rejects and computes every offset without overflow. So each kernel
+module lists ``COMPILE_SPECS``: calls of its public wrapper at a realistic shape. For each spec and
+each architecture (sm_75 = T4, sm_80 = A100, sm_90 = H100/H200) this module
+
+1. calls the wrapper on CPU tensors with Triton's launch patched to *record* instead of run, and with
+   ``runtime.capability()`` returning the target, so the wrapper picks the tiles it picks on that GPU;
+2. builds each recorded launch with Triton's own binder, the way ``kernel[grid](...)`` does at its
+   first call: integers below 2³¹ become i32 (larger ones i64), an integer equal to 1 becomes a
+   constant, pointers and integers divisible by 16 are marked so (which is what lets the compiler use
+   16-byte vector loads and ``cp.async``);
+3. reads the machine code: registers, stack and local bytes per thread (spills; we want 0) with
+   ``cuobjdump -res-usage`` (shipped inside the triton wheel), the shared memory a launch needs against
+   what one block may have there, the TTIR's products of a stride in 32 bits (which overflow once an
+   offset passes 2³¹), and the SASS of each innermost loop (``cuobjdump -sass``).
+
+From the loop's instruction count it predicts a ceiling: a streaming multiprocessor issues at most one
+warp instruction per clock on each of its 4 schedulers, so a loop whose program (all its warps) reads
+``bytes`` per iteration cannot read faster than ``issue rate × bytes / (warps × instructions)``. That
+is a prediction from a model, not a timing: memory, latency and occupancy can make a kernel slower,
+never faster. ``--predicted FILE`` writes these ceilings next to the course's GPU targets
+(``docs/results/predicted.md``), for the first GPU run to compare against.
 
 Run it in a process where Triton is *not* in interpreter mode::
 
-    TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compile_check [--arch 75 80 90]
+    TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compile_check [--arch 75 80 90] [--module cache gqa]
 
-A spec may name the architectures it is for (``archs=(75,)``) when a wrapper picks different tiles
-for them (see ``kvlib.attention._tiles``).
+``tests/test_compile.py`` does exactly that in a subprocess and fails on any error, spill or 32-bit
+stride product. It needs Triton's JIT internals of version 3.9 (``create_function_from_signature``,
+``JITFunction._pack_args``); on another version it says so instead of guessing.
 
-``tests/test_compile.py`` does exactly that in a subprocess and fails on any error or spill.
+A spec is a dict: ``name``; ``launch``, a zero-argument callable that calls the wrapper; optional
+``archs`` (default all three); optional ``loops``, {kernel name: f(args) -> dict(bytes=..., reread=...,
+flops=..., loop=...)} where ``args`` are the recorded launch's arguments by parameter name (plus
+``num_warps``): ``bytes`` of K/V one program loads per iteration of its main loop, ``reread`` how many
+programs load each K/V element (the query heads per K/V head for a per-head kernel, else 1), ``flops``
+per iteration (prefill) and ``loop``, which innermost loop in program order is the steady state
+(default: the longest).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -32,15 +54,36 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Shared memory one block may use (the opt-in maximum, bytes) per compute capability; CUDA C
+# Programming Guide, "Technical Specifications per Compute Capability".
+MAX_SHARED = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
+DEFAULT_ARCHS = (75, 80, 90)  # T4 (free Colab), A100, H100/H200
 
-def kernel_modules():
-    """Import every kvlib module and yield (module, {name: JITFunction}) for those with kernels."""
+# The GPU each architecture stands for in the predictions: multiprocessors, boost clock (GHz), memory
+# bandwidth (TB/s) and dense fp16 tensor-core peak (TFLOP/s), from NVIDIA's datasheets (T4; A100 80GB SXM;
+# H200 SXM). Each multiprocessor has 4 schedulers, each issuing one warp instruction per clock.
+GPUS = {
+    75: dict(name="T4", sms=40, ghz=1.59, tbps=0.32, fp16_tflops=65),
+    80: dict(name="A100-SXM4-80GB", sms=108, ghz=1.41, tbps=2.039, fp16_tflops=312),
+    90: dict(name="H200-SXM", sms=132, ghz=1.98, tbps=4.8, fp16_tflops=989),
+}
+SCHEDULERS_PER_SM = 4
+
+
+def issue_rate(arch: int) -> float:
+    """Warp instructions per second the whole GPU can issue."""
+    g = GPUS[arch]
+    return g["sms"] * SCHEDULERS_PER_SM * g["ghz"] * 1e9
+
+
+def kernel_modules(only=None):
+    """Import the kvlib modules that define kernels; yield (module, {name: JITFunction})."""
     import triton
 
     import kvlib
 
     for info in sorted(pkgutil.iter_modules(kvlib.__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name in ("compile_check",):
+        if info.name.startswith("_") or info.name in ("compile_check",) or (only and info.name not in only):
             continue
         source = Path(kvlib.__path__[0], f"{info.name}.py")
         if source.is_file() and "@triton.jit" not in source.read_text(encoding="utf-8"):
@@ -52,99 +95,430 @@ def kernel_modules():
             yield mod, kernels
 
 
-# Shared memory one block may use (the opt-in maximum, bytes) per compute capability; CUDA C
-# Programming Guide, "Technical Specifications per Compute Capability".
-MAX_SHARED = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
-DEFAULT_ARCHS = (75, 80, 90)  # T4 (free Colab), A100, H100/H200
+# --------------------------------------------------------------------------------------------
+# 1. record the wrapper's launches
+# --------------------------------------------------------------------------------------------
 
 
-def resource_usage(cubin: bytes) -> dict:
-    """Registers, stack-frame and local-memory bytes per thread, read from a cubin with cuobjdump.
+@contextlib.contextmanager
+def recording(arch: int):
+    """Inside: kernel launches are recorded (kernel, args, kwargs), nothing runs, and the wrappers see
+    a GPU of compute capability ``arch`` (tensors stay on the CPU)."""
+    from triton.runtime.jit import JITFunction
 
-    ptxas puts spilled registers in the stack frame (STACK), not in LOCAL, so both must be 0."""
+    from . import runtime
+
+    launches = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    saved = JITFunction.run, runtime.require_triton, runtime.COMPILE_TARGET
+    JITFunction.run = record
+    runtime.require_triton = lambda what, **tensors: True
+    runtime.COMPILE_TARGET = (arch // 10, arch % 10)
+    try:
+        yield launches
+    finally:
+        JITFunction.run, runtime.require_triton, runtime.COMPILE_TARGET = saved
+
+
+# --------------------------------------------------------------------------------------------
+# 2. build as the JIT builds
+# --------------------------------------------------------------------------------------------
+
+
+def jit_compile(kernel, args, kwargs, arch: int):
+    """Compile one recorded launch with Triton's binder for ``arch``: what ``kernel[grid](*args, **kwargs)``
+    compiles at its first call on that GPU. Returns (compiled kernel, bound arguments by name)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime import jit as triton_jit
+
+    if not (hasattr(triton_jit, "create_function_from_signature") and hasattr(kernel, "_pack_args")):
+        raise RuntimeError(f"compile_check builds kernels with Triton 3.9's JIT internals; this is Triton "
+                           f"{triton.__version__}")
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = triton_jit.create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(kwargs, debug=kwargs.get("debug", False))
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    return compiled, dict(bound)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. read the machine code
+# --------------------------------------------------------------------------------------------
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", text, re.S)
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers, stack-frame and local-memory bytes per thread, read from a cubin with cuobjdump.
+
+    ptxas puts spilled registers in the stack frame (STACK), not in LOCAL, so both must be 0."""
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", _cuobjdump(cubin, "-res-usage"), re.S)
     return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)),
             "local_bytes": int(m.group(3))} if m else {}
 
 
-def compile_all(archs=DEFAULT_ARCHS) -> list[dict]:
-    """Compile every kernel's COMPILE_SPECS for each arch; one result row per (kernel, spec, arch)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
+_TARGET = re.compile(r"\bBRA(?:\.\w+)*\s+(?:`?\(?(\.L_x_\d+)\)?|(0x[0-9a-f]+))")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
+
+def sass_loops(sass: str) -> list[dict]:
+    """The innermost loops of a kernel's SASS, in program order: each backward branch closes a loop that
+    runs from its target to the branch. Returns [{"start", "end", "instructions", "opcodes"}] where
+    instructions counts the loop body once and opcodes tallies it by mnemonic (e.g. HMMA, LDG, FFMA)."""
+    instrs, labels = [], {}
+    pending = []
+    for line in sass.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        for lab in pending:
+            labels[lab] = addr
+        pending = []
+        instrs.append((addr, m.group(2)))
+    loops = []
+    for addr, text in instrs:
+        m = _TARGET.search(text)
+        if not m:
+            continue
+        target = labels.get(m.group(1)) if m.group(1) else int(m.group(2), 16)
+        if target is not None and target < addr:
+            loops.append((target, addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    out = []
+    for start, end in sorted(set(inner)):
+        body = [t for a, t in instrs if start <= a <= end]
+        ops = {}
+        for t in body:
+            op = t.split()[1] if t.startswith("@") else t.split()[0]
+            op = op.split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+        out.append(dict(start=start, end=end, instructions=len(body), opcodes=ops))
+    return out
+
+
+def i32_stride_products(ttir: str) -> list[str]:
+    """TTIR lines that compute an offset in 32 bits that can pass 2³¹: an ``arith.muli`` of i32 (scalar or
+    tensor) with a stride argument (``%stride_*``) as an operand, or of a value computed from the program id
+    with any integer argument (a size standing in for a stride, as in ``kv_row * S_q``). Values are followed
+    through splat, broadcast, expand_dims and (for the program id) any arithmetic."""
+    header = ttir[ttir.index("tt.func"):] if "tt.func" in ttir else ttir
+    header = header[:header.index("{\n")] if "{\n" in header else header.split("\n", 1)[0]
+    args = set(re.findall(r"(%\w+): i32", header))
+    strides = {a for a in args if a.startswith("%stride")}
+    from_pid = set()
+    bad = []
+    for line in ttir.splitlines():
+        text = line.strip().split(" loc(")[0]
+        m = re.match(r"(%[\w#]+)\s*=\s*([\w.]+)\s*(.*)", text)
+        if not m:
+            continue
+        result, op, rest = m.groups()
+        body, _, types = rest.rpartition(" : ") if " : " in rest else (rest, "", "")
+        operands = set(re.findall(r"%[\w#]+", body))
+        is_i32 = re.search(r"\bi32\b|xi32>", types.split("->")[-1].split(" to ")[-1]) is not None
+        if op == "tt.get_program_id":
+            from_pid.add(result)
+            continue
+        if op == "arith.muli" and is_i32 and (operands & strides or (operands & from_pid and operands & args)):
+            bad.append(text)
+        if not is_i32:
+            continue
+        if op in ("tt.splat", "tt.broadcast", "tt.expand_dims"):
+            if operands & strides:
+                strides.add(result)
+            if operands & args:
+                args.add(result)
+        if operands & from_pid:
+            from_pid.add(result)
+    return bad
+
+
+def ceiling(row: dict, per_iter: dict, arch: int) -> dict:
+    """Issue-limited ceilings of the chosen loop: unique K/V bytes per second and FLOP/s."""
+    loops = row["loops"]
+    if not loops:
+        return {}
+    pick = per_iter.get("loop")
+    loop = loops[pick] if pick is not None and pick < len(loops) else max(loops, key=lambda lp: lp["instructions"])
+    warp_instructions = row["num_warps"] * loop["instructions"]  # one iteration of the whole program
+    iterations_per_s = issue_rate(arch) / warp_instructions
+    out = dict(loop_instructions=loop["instructions"], warps=row["num_warps"])
+    if per_iter.get("bytes"):
+        out.update(bytes_per_iter=per_iter["bytes"], reread=per_iter.get("reread", 1),
+                   instructions_per_kb=round(warp_instructions / (per_iter["bytes"] / 1024), 1),
+                   issue_tbps=round(iterations_per_s * per_iter["bytes"] / per_iter.get("reread", 1) / 1e12, 2))
+    if per_iter.get("flops"):
+        out.update(flops_per_iter=per_iter["flops"],
+                   issue_tflops=round(iterations_per_s * per_iter["flops"] / 1e12, 1))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# all together
+# --------------------------------------------------------------------------------------------
+
+
+def _dtype(bound: dict) -> str | None:
+    import torch
+
+    for name, v in bound.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and name.startswith("q"):
+            return str(v.dtype).replace("torch.", "")
+    return next((str(v.dtype).replace("torch.", "") for v in bound.values()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+
+
+def check_row(kernel, spec: dict, mod_name: str, arch: int, compiled, bound: dict) -> dict:
+    """One result row: resources, 32-bit stride products, SASS loops, the ceiling, and what is wrong."""
+    kernel_name = kernel.fn.__name__
+    constexprs = {p.name: bound[p.name] for p in kernel.params if p.is_constexpr}
+    row = dict(module=mod_name, spec=spec["name"], kernel=kernel_name, arch=f"sm_{arch}", dtype=_dtype(bound),
+               constexprs={k: v for k, v in constexprs.items() if isinstance(v, (int, bool, float, str))},
+               num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages,
+               shared_bytes=compiled.metadata.shared)
+    row.update(resource_usage(compiled.asm["cubin"]))
+    row["i32_stride_products"] = i32_stride_products(compiled.asm["ttir"])
+    row["loops"] = sass_loops(_cuobjdump(compiled.asm["cubin"], "-sass"))
+    loops_of = spec.get("loops", {}).get(kernel_name)
+    if loops_of is not None:
+        row["ceiling"] = ceiling(row, loops_of(dict(bound, num_warps=row["num_warps"])), arch)
+    errors = []
+    spill = row.get("stack_bytes", 0) + row.get("local_bytes", 0)
+    if "registers" not in row:
+        errors.append("cuobjdump reported no resource usage")
+    elif spill:
+        errors.append(f"spills: {spill} bytes of stack/local memory per thread")
+    limit = MAX_SHARED.get(arch)
+    if limit is not None and row["shared_bytes"] > limit:
+        errors.append(f"needs {row['shared_bytes']} bytes of shared memory; sm_{arch} allows {limit} per block, "
+                      "so the launch would fail")
+    if row["i32_stride_products"]:
+        errors.append(f"{len(row['i32_stride_products'])} stride product(s) in 32 bits, e.g. "
+                      f"{row['i32_stride_products'][0]}")
+    if errors:
+        row["error"] = "; ".join(errors)
+    row["ok"] = not errors
+    return row
+
+
+def compile_all(archs=DEFAULT_ARCHS, only=None) -> list[dict]:
+    """Build every module's COMPILE_SPECS for each arch; one row per (spec, recorded launch, arch).
+
+    A kernel that no spec launches is an error row, so a new kernel cannot go unchecked."""
     rows = []
-    for mod, kernels in kernel_modules():
-        specs = getattr(mod, "COMPILE_SPECS", [])
-        covered = {s["kernel"].__name__ for s in specs}
-        for name in sorted(set(kernels) - covered):
-            rows.append(dict(module=mod.__name__, kernel=name, arch=None, ok=False,
-                             error="no entry in the module's COMPILE_SPECS"))
-        for spec in specs:
+    for mod, kernels in kernel_modules(only):
+        built = set()
+        for spec in getattr(mod, "COMPILE_SPECS", []):
+            if not callable(spec.get("launch")) or "name" not in spec:
+                rows.append(dict(module=mod.__name__, spec=spec.get("name"), kernel=None, arch=None, ok=False,
+                                 error="a COMPILE_SPECS entry needs a name and a launch (see kvlib.compile_check)"))
+                continue
             for arch in archs:
-                if arch not in spec.get("archs", (arch,)):
+                if arch not in spec.get("archs", DEFAULT_ARCHS):
                     continue
-                row = dict(module=mod.__name__, kernel=spec["kernel"].__name__, arch=f"sm_{arch}",
-                           dtype=next((t[1:] for t in spec["signature"].values() if t.startswith("*")), None),
-                           constexprs=spec.get("constexprs", {}), num_warps=spec.get("num_warps", 4))
+                base = dict(module=mod.__name__, spec=spec["name"], arch=f"sm_{arch}")
                 try:
+                    with recording(arch) as launches:
+                        spec["launch"]()
+                except Exception as e:
+                    rows.append(dict(base, kernel=None, ok=False,
+                                     error=f"launch failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+                    continue
+                if not launches:
+                    rows.append(dict(base, kernel=None, ok=False, error="the launch ran no kernel"))
+                for kernel, args, kwargs in launches:
+                    name = kernel.fn.__name__
+                    built.add(name)
                     try:
-                        src = ASTSource(fn=spec["kernel"], signature=spec["signature"],
-                                        constexprs=spec.get("constexprs"))
-                    except TypeError:  # Triton 3.2 calls them `constants`
-                        src = ASTSource(fn=spec["kernel"], signature=spec["signature"],
-                                        constants=spec.get("constexprs"))
-                    options = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
-                    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-                    row.update(resource_usage(compiled.asm["cubin"]), shared_bytes=compiled.metadata.shared)
-                    spill = row.get("stack_bytes", 0) + row.get("local_bytes", 0)
-                    limit = MAX_SHARED.get(arch)
-                    if "registers" not in row:
-                        row["error"] = "cuobjdump reported no resource usage"
-                    elif spill:
-                        row["error"] = f"spills: {spill} bytes of stack/local memory per thread"
-                    elif limit is not None and row["shared_bytes"] > limit:
-                        row["error"] = (f"needs {row['shared_bytes']} bytes of shared memory; sm_{arch} allows "
-                                        f"{limit} per block, so the launch would fail")
-                    row["ok"] = "error" not in row
-                except Exception as e:  # report every failure, not just the first
-                    row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-                rows.append(row)
+                        compiled, bound = jit_compile(kernel, args, kwargs, arch)
+                        rows.append(check_row(kernel, spec, mod.__name__, arch, compiled, bound))
+                    except Exception as e:  # report every failure, not just the first
+                        rows.append(dict(base, kernel=name, ok=False,
+                                         error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+        for name in sorted(set(kernels) - built):
+            rows.append(dict(module=mod.__name__, spec=None, kernel=name, arch=None, ok=False,
+                             error="no COMPILE_SPECS entry of the module launches this kernel"))
     return rows
 
 
 def _config(row) -> str:
     c = {k: v for k, v in row.get("constexprs", {}).items()
-         if k.startswith(("TILE", "SPLITS", "GROUP")) or (k in ("PAGED", "INT8") and v)}
-    return " ".join(f"{k}={v}" for k, v in c.items()) + f" w={row.get('num_warps', '-')}"
+         if k.startswith(("TILE", "SPLITS", "GROUP", "BLOCK")) or (k in ("PAGED", "INT8", "CAUSAL") and v)}
+    return " ".join(f"{k}={v}" for k, v in c.items()) + f" w={row.get('num_warps', '-')} s={row.get('num_stages', '-')}"
+
+
+def _loop_text(row) -> str:
+    c = row.get("ceiling") or {}
+    if not c:
+        loops = row.get("loops") or []
+        return f"loops={[lp['instructions'] for lp in loops]}" if loops else ""
+    parts = [f"loop={c['loop_instructions']}"]
+    if "issue_tbps" in c:
+        parts.append(f"{c['instructions_per_kb']}/KB -> {c['issue_tbps']} TB/s")
+    if "issue_tflops" in c:
+        parts.append(f"-> {c['issue_tflops']} TFLOP/s")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# docs/results/predicted.md
+# --------------------------------------------------------------------------------------------
+
+PREDICTED_COMMAND = ("TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compile_check "
+                     "--predicted docs/results/predicted.md")
+
+
+def predicted(row: dict, arch: int) -> dict | None:
+    """A row's predicted speed: the lower of its issue ceiling and the datasheet's memory bandwidth (or
+    tensor-core peak), and which of the two binds."""
+    c = row.get("ceiling") or {}
+    g = GPUS[arch]
+    if "issue_tflops" in c:
+        peak = g["fp16_tflops"] if row.get("dtype") in ("float16", "bfloat16") else None
+        if peak is None or c["issue_tflops"] < peak:
+            return dict(value=c["issue_tflops"], unit="TFLOP/s", bound="instruction issue")
+        return dict(value=peak, unit="TFLOP/s", bound="tensor cores")
+    if "issue_tbps" in c:
+        if c["issue_tbps"] < g["tbps"]:
+            return dict(value=c["issue_tbps"], unit="TB/s", bound="instruction issue")
+        return dict(value=g["tbps"], unit="TB/s", bound="memory")
+    return None
+
+
+def _by_spec(rows, arch: int) -> dict:
+    return {r["spec"]: r for r in rows if r.get("arch") == f"sm_{arch}" and r.get("ceiling")}
+
+
+# Each GPU target of the course, judged on paper for sm_90 from the specs that stand for the sweep's shapes:
+# (target, what it compares, f(rows by spec) -> (figure text, met: bool | None)).
+def _fraction(spec):
+    def judge(by):
+        r = by.get(spec)
+        if r is None:
+            return f"no spec {spec!r}", None
+        p = predicted(r, 90)
+        frac = p["value"] / GPUS[90]["tbps"]
+        return f"{p['value']} TB/s = {frac:.0%} of {GPUS[90]['tbps']} TB/s ({p['bound']})", frac >= 0.75
+    return judge
+
+
+def _ratio(spec, base, bytes_ratio=1.0, at_least=1.0):
+    """Predicted speed of ``spec`` over ``base`` for the same tokens: bytes_ratio = base's bytes / spec's."""
+    def judge(by):
+        if spec not in by or base not in by:
+            return f"no spec {spec if spec not in by else base!r}", None
+        a, b = predicted(by[spec], 90), predicted(by[base], 90)
+        ratio = a["value"] / b["value"] * bytes_ratio
+        return (f"{ratio:.2f}× ({a['value']} vs {b['value']} TB/s{', half the bytes' if bytes_ratio == 2 else ''})",
+                ratio >= at_least)
+    return judge
+
+
+TARGETS_ON_PAPER = []  # filled in below the kernels' specs are known (see _targets)
+
+
+def predicted_markdown(rows) -> str:
+    """The generated docs/results/predicted.md for these compile_check rows."""
+    import triton
+
+    lines = [
+        "# Predicted ceilings of the course's kernels",
+        "",
+        f"Generated by `{PREDICTED_COMMAND}` with Triton {triton.__version__}: every kernel built for sm_75, "
+        "sm_80 and sm_90 as the JIT builds it at launch, from the wrappers' own launches at the shapes in "
+        "each module's `COMPILE_SPECS`. **Nothing here was timed.** The first GPU run "
+        "(`scripts/gpu_check.sh`) measures what these predict; this file is what to compare it against.",
+        "",
+        "The model: a multiprocessor has 4 schedulers, each issuing at most one warp instruction per clock. A "
+        "kernel's main loop runs `instructions` per warp per iteration (counted in the SASS, `cuobjdump -sass`) "
+        "and its program of `warps` warps reads `bytes` of K/V per iteration, so it cannot read faster than "
+        "SMs × 4 × clock × bytes / (warps × instructions), divided by how many programs read each K/V element "
+        "(the query heads per K/V head for a per-head kernel). The prediction is the lower of that and the "
+        "datasheet's memory bandwidth (or, for prefill, its dense fp16 tensor-core peak); latency, occupancy "
+        "and DRAM efficiency can only lower it. GPUs: "
+        + "; ".join(f"sm_{a} = {g['name']}, {g['sms']} SMs at {g['ghz']} GHz, {g['tbps']} TB/s, "
+                    f"{g['fp16_tflops']} TFLOP/s fp16" for a, g in GPUS.items()) + " (NVIDIA datasheets).",
+        "",
+    ]
+    by = _by_spec(rows, 90)
+    if TARGETS_ON_PAPER:
+        lines += ["## The course's GPU targets on paper (sm_90)", "",
+                  "| target | predicted | on paper |", "|---|---|---|"]
+        for target, judge in TARGETS_ON_PAPER:
+            text, met = judge(by)
+            lines.append(f"| {target} | {text} | {'met' if met else 'out of reach' if met is False else '?'} |")
+        lines.append("")
+    for arch in sorted(GPUS, reverse=True):
+        arch_rows = [r for r in rows if r.get("arch") == f"sm_{arch}" and r.get("ceiling")]
+        if not arch_rows:
+            continue
+        g = GPUS[arch]
+        lines += [f"## sm_{arch} ({g['name']})", "",
+                  "| spec | kernel | tiles | registers | shared KB | loop instructions / warp | "
+                  "warp instructions per KB | issue ceiling | predicted | bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in arch_rows:
+            c, p = r["ceiling"], predicted(r, arch)
+            per_kb = c.get("instructions_per_kb", "")
+            issue = (f"{c['issue_tflops']} TFLOP/s" if "issue_tflops" in c else f"{c['issue_tbps']} TB/s")
+            lines.append(f"| {r['spec']} | `{r['kernel']}` | {_config(r)} | {r.get('registers')} | "
+                         f"{r.get('shared_bytes', 0) / 1024:.1f} | {c['loop_instructions']} | {per_kb} | {issue} | "
+                         f"{p['value']} {p['unit']} | {p['bound']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_predicted(rows, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(predicted_markdown(rows), encoding="utf-8")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS),
                     help="compute capabilities, e.g. 75 80 90")
+    ap.add_argument("--module", nargs="+", metavar="NAME", help="only these kvlib modules, e.g. cache gqa")
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    ap.add_argument("--predicted", metavar="FILE", help="also write the predicted ceilings as markdown to FILE")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("compile_check: run with TRITON_INTERPRET=0 (the interpreter cannot compile kernels)")
-    rows = compile_all(tuple(args.arch))
+    rows = compile_all(tuple(args.arch), args.module)
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps(rows, default=str))
     else:
         for r in rows:
             status = "ok " if r["ok"] else "FAIL"
-            print(f"{status} {r['kernel']:<24} {str(r['arch']):<6} {str(r.get('dtype')):<5} regs={r.get('registers', '-'):<4} "
-                  f"stack={r.get('stack_bytes', '-'):<5} local={r.get('local_bytes', '-'):<4} "
-                  f"shared={r.get('shared_bytes', '-'):<6} {_config(r):<34} "
-                  f"{r.get('error', '')}")
+            print(f"{status} {str(r.get('kernel')):<24} {str(r['arch']):<6} {str(r.get('dtype')):<8} "
+                  f"regs={r.get('registers', '-'):<4} spill={r.get('stack_bytes', 0) + r.get('local_bytes', 0):<4} "
+                  f"shared={r.get('shared_bytes', '-'):<6} {_config(r):<44} {_loop_text(r)}  "
+                  f"[{r.get('spec')}] {r.get('error', '')}")
+    if args.predicted:
+        write_predicted(rows, Path(args.predicted))
     return 0 if rows and all(r["ok"] for r in rows) else 1
 
 

@@ -188,7 +188,7 @@ def _index_decode_kernel(
     TILE_N: tl.constexpr,  # held entries per inner step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
 ):
-    pid = tl.program_id(0)  # one program per (sequence, query head)
+    pid = tl.program_id(0).to(tl.int64)  # one program per (sequence, query head); 64-bit offsets below
     b = pid // H
     h = pid % H
     kv_h = h // n_rep
@@ -197,7 +197,7 @@ def _index_decode_kernel(
     dim_ok = dims < D
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)
     idx_row = index_ptr + b * stride_ib + kv_h * stride_ih
-    buf = b.to(tl.int64) * stride_kb + kv_h * stride_kh  # int64: B x H_KV x N_slots x D can pass 2**31
+    buf = b * stride_kb + kv_h * stride_kh  # int64 (b is): B x H_KV x N_slots x D can pass 2**31
     m_i = -1.0e30
     l_i = 0.0
     acc = tl.zeros((TILE_D,), dtype=tl.float32)
@@ -674,14 +674,21 @@ class _WindowBatch(_PagedBatch):
         return out
 
 
-# How tests/test_compile.py builds the index decode kernel (D = 128, fp16; with and without probabilities).
+# How kvlib.compile_check builds the index decode kernel: the wrapper's launch for 32 query heads over 8 K/V
+# heads, D = 128, fp16, 1024 slots of which 600 / 317 are held, with and without the probabilities.
+def _compile_launch(probs: bool):
+    g = torch.Generator().manual_seed(0)
+    B, H, H_KV, N_slots, D = 2, 32, 8, 1024, 128
+    q = torch.randn(B, H, D, generator=g).half()
+    k, v = (torch.randn(B, H_KV, N_slots, D, generator=g).half() for _ in range(2))
+    index = torch.randperm(N_slots, generator=g)[:640].sort().values.repeat(B, H_KV, 1)
+    return index_decode_attention(q, k, v, index, torch.tensor([600, 317]), return_probs=probs)
+
+
 COMPILE_SPECS = [
-    dict(kernel=_index_decode_kernel,
-         signature={"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp16", "p_ptr": "*fp32",
-                    "index_ptr": "*i64", "n_held_ptr": "*i64",
-                    **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks",
-                                          "stride_ib", "stride_ih", "H", "D", "N", "n_rep")},
-                    "qk_scale": "fp32", "PROBS": "constexpr", "TILE_N": "constexpr", "TILE_D": "constexpr"},
-         constexprs=dict(PROBS=probs, TILE_N=32, TILE_D=128))
+    dict(name=f"index decode fp16 32/8{' + probabilities' if probs else ''}", launch=lambda probs=probs: _compile_launch(probs),
+         loops={"_index_decode_kernel": lambda a: dict(bytes=2 * a["TILE_N"] * a["TILE_D"] * a["k_ptr"].element_size()
+                                                       + a["TILE_N"] * a["index_ptr"].element_size(),
+                                                       reread=a["n_rep"], loop=0)})
     for probs in (False, True)
 ]

@@ -330,7 +330,7 @@ def _kivi_decode_kernel(
     TILE_N: tl.constexpr,  # positions per inner step; divides group, so a tile lies inside one key group
     TILE_D: tl.constexpr,  # head dim padded to a power of two
 ):
-    pid = tl.program_id(0)  # one program per (sequence, query head)
+    pid = tl.program_id(0).to(tl.int64)  # one program per (sequence, query head); 64-bit offsets below
     b = pid // (H_KV * n_rep)
     kv_row = b * H_KV + (pid % (H_KV * n_rep)) // n_rep  # the (sequence, K/V head) query head h reads: h // n_rep
     dims = tl.arange(0, TILE_D)
@@ -742,15 +742,27 @@ def plan_bits(sensitivity, budget_bits: float, choices=(8, 4, 2)) -> list[int]:
     return plan
 
 
-# How kvlib.compile_check builds the decode kernel (D = 128, fp16 queries, residual and scales, KIVI's
-# group of 32 tokens: TILE_N = 32), for 2-bit codes and 4-bit ones.
-COMPILE_SPECS = [
-    dict(kernel=_kivi_decode_kernel,
-         signature={"q_ptr": "*fp16", "kq_ptr": "*u8", "vq_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
-                    "vs_ptr": "*fp16", "vz_ptr": "*fp16", "n_quant_ptr": "*i32", "n_res_ptr": "*i32",
-                    "kr_ptr": "*fp16", "vr_ptr": "*fp16", "o_ptr": "*fp16",
-                    **{n: "i32" for n in ("H_KV", "S_q", "R", "D", "n_rep", "group")}, "qk_scale": "fp32",
-                    "BITS": "constexpr", "TILE_N": "constexpr", "TILE_D": "constexpr"},
-         constexprs=dict(BITS=bits, TILE_N=32, TILE_D=128))
-    for bits in (2, 4)
-]
+# How kvlib.compile_check builds the decode kernel: the wrapper's launch for 32 query heads over 8 K/V heads,
+# D = 128, fp16 queries, residual and scales, KIVI's group of 32 tokens, 2-bit and 4-bit codes.
+def _compile_launch(bits: int, group: int = 32):
+    B, H, H_KV, S_q, R, D = 2, 32, 8, 1024, 32, 128
+    codes = torch.zeros(B, H_KV, S_q, D // (8 // bits), dtype=torch.uint8)
+    k_scale, k_zero = (torch.ones(B, H_KV, S_q // group, D, dtype=torch.float16) for _ in range(2))
+    v_scale, v_zero = (torch.ones(B, H_KV, S_q, dtype=torch.float16) for _ in range(2))
+    res = torch.zeros(B, H_KV, R, D, dtype=torch.float16)
+    return kivi_decode_attention(torch.zeros(B, H, D, dtype=torch.float16), codes, k_scale, k_zero, codes.clone(),
+                                 v_scale, v_zero, torch.tensor([S_q, 512]), res, res.clone(), torch.tensor([7, 32]),
+                                 group, bits)
+
+
+def _kivi_loop(a):
+    """One step of the quantized loop: packed K and V codes, the key group's scale + zero per channel and the
+    values' scale + zero per token; every query head of a group reads them again."""
+    rows, d = a["TILE_N"], a["TILE_D"]
+    codes = 2 * rows * d * a["BITS"] // 8
+    return dict(bytes=codes + 2 * d * a["ks_ptr"].element_size() + 2 * rows * a["vs_ptr"].element_size(),
+                reread=a["n_rep"], loop=0)
+
+
+COMPILE_SPECS = [dict(name=f"KIVI {bits}-bit decode fp16 32/8", launch=lambda bits=bits: _compile_launch(bits),
+                      loops={"_kivi_decode_kernel": _kivi_loop}) for bits in (2, 4)]

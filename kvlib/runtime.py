@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-__all__ = ["DEVICE", "INTERPRETER", "HAS_TRITON", "describe", "by_mode", "require_triton", "mode", "cpu_threads"]
+__all__ = ["DEVICE", "INTERPRETER", "HAS_TRITON", "describe", "by_mode", "require_triton", "mode", "cpu_threads",
+           "capability"]
 
 
 def _cuda_available() -> bool:
@@ -81,6 +82,22 @@ def mode() -> str:
     if not HAS_TRITON:
         return "reference"
     return "interpreter" if INTERPRETER else "gpu"
+
+
+# The compute capability kvlib.compile_check is building for (it calls the wrappers on CPU tensors, so that
+# they pick the tiles they would pick on that GPU); None everywhere else.
+COMPILE_TARGET: tuple[int, int] | None = None
+
+
+def capability(device=None) -> tuple[int, int] | None:
+    """The (major, minor) compute capability the kernels are built for: ``kvlib.compile_check``'s target
+    while it builds, else the CUDA device's; None for a CPU device (the interpreter)."""
+    if COMPILE_TARGET is not None:
+        return COMPILE_TARGET
+    device = torch.device(device) if device is not None else torch.device(DEVICE)
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def require_triton(what: str, **tensors) -> bool:

@@ -52,6 +52,28 @@ def test_decode_matches_reference_and_sdpa(case, dtype, num_splits):
     assert (out.float() - expected).abs().max() <= TOL[dtype]
 
 
+def test_split_k_spreads_each_sequence_over_the_splits(monkeypatch):
+    """Splits are sized by each sequence's own length (in multiples of 16 positions), not by S_max: a
+    60-position sequence in a 256-slot cache gives work to all 4 splits (by S_max it would be 64-position
+    splits, all of it in split 0)."""
+    from kvlib import cache
+
+    seen, merge = {}, cache.merge_splits
+
+    def recording_merge(q, part, lse):  # the per-split log-sum-exps, before they are merged
+        seen["lse"] = lse.clone()
+        return merge(q, part, lse)
+
+    monkeypatch.setattr(cache, "merge_splits", recording_merge)
+    q, k, v = rand(2, 4, 16, seed=7), rand(2, 2, 256, 16, seed=8), rand(2, 2, 256, 16, seed=9)
+    lens = torch.tensor([60, 17], dtype=torch.int32, device=runtime.DEVICE)
+    out = decode_attention(q, k, v, lens, num_splits=4)
+    lse = seen["lse"].view(2, 4, 4)  # (B, H, splits)
+    assert torch.isfinite(lse[0]).all(), lse[0]  # 16 + 16 + 16 + 12 positions
+    assert torch.isfinite(lse[1, :, :2]).all() and torch.isneginf(lse[1, :, 2:]).all(), lse[1]  # 16 + 1, then none
+    assert (out - decode_attention_ref(q, k, v, lens)).abs().max() <= 1e-5
+
+
 def test_positions_beyond_seq_len_are_never_read():
     q = rand(2, 2, 16, seed=4)
     k = rand(2, 2, 64, 16, seed=5)
