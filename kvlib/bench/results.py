@@ -52,7 +52,7 @@ COLUMNS = [
     "tpot_p50_ms", "tpot_p99_ms",  # engine rows: time per output token after the first (wall clock)
     "preemptions",  # engine rows: preemptions over the trace (recompute); vs_baseline: tokens/s over static's
     "headline",  # 1 where the point counts for the headline table (e.g. KV read >= 256 MB)
-    "status",  # ok | correctness only (interpreter) | out of memory | skipped: ... | MISMATCH ...
+    "status",  # ok | correctness only (interpreter) | out of memory | skipped: ... | MISMATCH ... | error: ... (raised)
     "device", "mode", "driver", "cuda", "torch", "triton", "date",  # the stamp
 ]
 STAMP_KEYS = ["device", "mode", "driver", "cuda", "torch", "triton", "date"]

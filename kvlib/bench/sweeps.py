@@ -27,6 +27,8 @@ step spent waiting for an arrival computes nothing, so tokens/s says how well a 
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -38,7 +40,7 @@ from .. import runtime
 from . import copy_bandwidth_gbps, gbps, peak_memory_bytes, tensor_bytes, time_ms
 from .results import COLUMNS, stamp
 
-__all__ = ["SWEEPS", "Point", "Kernel", "run", "prefill_flops"]
+__all__ = ["SWEEPS", "Point", "Kernel", "run", "plan", "prefill_flops", "FAULT_ENV"]
 
 HEADS = [(32, 8, 128), (64, 8, 128), (32, 32, 128)]  # (H, H_KV, D): Llama-3-8B, Llama-3-70B, Llama-2-7B
 K = 1024
@@ -90,6 +92,8 @@ WORKLOADS = {
 # --smoke: the first (smallest) entry of every list, one point per sweep: the harness end to end in seconds.
 WORKLOADS.update({f"{kind}_smoke": {sweep: {k: v[:1] if isinstance(v, list) else v for k, v in w.items()}
                                     for sweep, w in WORKLOADS[kind].items()} for kind in ("gpu", "cpu")})
+for _kind in ("gpu_smoke", "cpu_smoke"):  # a smoke engine trace: 8 requests, each also run through generate alone
+    WORKLOADS[_kind]["engine"] = dict(WORKLOADS[_kind]["engine"], requests=8)
 # engine: loads = mean requests arriving per engine step (Poisson), from about one request running at a
 # time to more than max_num_seqs can serve; requests in the trace; prompt and output = (median, cap) of
 # their log-normal lengths in tokens; the rest are Engine's arguments (the pool, num_blocks, is kept below
@@ -143,7 +147,8 @@ def _shapes(ctx, sweep):
 class Ctx:
     """What a sweep needs to know about this run."""
 
-    def __init__(self, quick: bool, smoke: bool = False):
+    def __init__(self, quick: bool, smoke: bool = False, measure: bool = True):
+        """measure=False: leave ``copy_bw`` unmeasured (None), for counting points without touching the device."""
         self.gpu = runtime.mode() == "gpu"
         self.quick = quick
         kind = ("gpu_quick" if quick else "gpu") if self.gpu else "cpu"
@@ -151,7 +156,7 @@ class Ctx:
         self.device = runtime.DEVICE
         self.dtype = torch.float16 if self.gpu else torch.float32  # CPU matmuls are slow in fp16
         self.check_dtype = torch.float16  # interpreter correctness points: the GPU's dtype
-        self.copy_bw = copy_bandwidth_gbps()
+        self.copy_bw = copy_bandwidth_gbps() if measure else None
         # GPU: do_bench repeats a call for rep_ms (each after flushing L2): 40 ms keeps a full sweep in a
         # few minutes and still gives hundreds of repeats of a sub-millisecond kernel.
         # CPU: at least 5 calls and 50 ms, so a busy core shows as noise rather than as the curve.
@@ -788,13 +793,62 @@ def _max_err(out, ref) -> float | None:
     return float((out.float() - ref.float()).abs().max())
 
 
+FAULT_ENV = "KVLIB_BENCH_FAULT"  # test hook: see _fault
+
+
+def _fault(sweep: str, points_done: int):
+    """The test hook ``KVLIB_BENCH_FAULT=NAME[:abort|hang]``: once the first point of sweep NAME has run
+    (and its rows went to ``on_rows``), end this process the way a CUDA fault does (``abort``, the default:
+    SIGABRT, exit status 134, nothing after it runs) or hang until killed (``hang``: a stuck kernel, for
+    testing timeouts). scripts/gpu_check.sh is tested with it (tests/test_gpu_check.py)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    name, _, how = spec.partition(":")
+    if not spec or name != sweep or points_done != 1:
+        return
+    how = how or "abort"
+    if how not in ("abort", "hang"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: the fault is abort or hang, e.g. {FAULT_ENV}={sweep}:abort")
+    what = "aborting" if how == "abort" else "hanging"
+    like = "a CUDA fault" if how == "abort" else "a stuck kernel"
+    print(f"\n{FAULT_ENV}={spec}: {what} after the first point of {sweep}, as {like} would (test hook)",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if how == "abort":
+        os.abort()
+    while True:
+        time.sleep(3600)
+
+
+def plan(names=None, *, quick: bool = False, smoke: bool = False) -> list[tuple[str, int]]:
+    """(sweep, number of points) for each named sweep (all by default), in run order, for this machine's
+    mode: what ``run`` would measure, counted without allocating or timing anything. scripts/gpu_check.sh
+    shares its time budget among the sweeps by these counts."""
+    names = list(SWEEPS) if names is None else list(names)
+    unknown = [n for n in names if n not in SWEEPS]
+    if unknown:
+        raise ValueError(f"unknown sweep(s) {unknown}; choose from {list(SWEEPS)}")
+    ctx = Ctx(quick, smoke, measure=False)
+    return [(n, sum(1 for _ in SWEEPS[n](ctx))) for n in names]
+
+
+def _error_status(e: BaseException) -> str:
+    """'error: RuntimeError: CUDA error: an illegal memory access was encountered' (first line, at most 300 chars)."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"error: {type(e).__name__}: {first}"[:300]
+
+
 def run(names=None, *, quick: bool = False, smoke: bool = False, budget_s: float | None = None,
-        progress: bool = True, ctx: Ctx | None = None) -> list[dict]:
+        progress: bool = True, ctx: Ctx | None = None, on_rows: Callable[[list[dict]], None] | None = None
+        ) -> list[dict]:
     """Run the named sweeps (all by default) and return their result rows (see ``results.COLUMNS``).
 
     smoke: one point per sweep (the smallest), to check the whole harness in seconds.
     budget_s: stop starting new points after this many seconds (the rest get a "skipped" row).
     ctx: a prepared ``Ctx`` (tests use one to walk the GPU branches with tiny sizes on a CPU).
+    on_rows: called with all the rows so far after every point (``python -m kvlib.bench`` rewrites its
+    results.csv with them), so a process that dies later still leaves what it measured. An exception other
+    than out-of-memory in a point (a bug, or a CUDA error) adds an "error: ..." row for that point, calls
+    on_rows once more, and is raised again: after a CUDA fault the context is unusable for the next points.
     """
     from tqdm.auto import tqdm
 
@@ -809,6 +863,11 @@ def run(names=None, *, quick: bool = False, smoke: bool = False, budget_s: float
     points = [p for n in names for p in SWEEPS[n](ctx)]
     rows: list[dict] = []
     ended: set = set()
+    done: dict = {}  # points run (or skipped) per sweep, for the fault hook
+
+    def complete():
+        return [{c: r.get(c) for c in COLUMNS} for r in rows]  # every row has every column
+
     t_start = time.perf_counter()
     bar = tqdm(points, desc="benchmark points", disable=not progress)
     for p in bar:
@@ -816,27 +875,35 @@ def run(names=None, *, quick: bool = False, smoke: bool = False, budget_s: float
         shape_row = {**base, "sweep": p.sweep, **p.shape, **p.extra, "headline": int(p.headline)}
         if p.curve in ended:
             continue
+        n_rows = len(rows)
         if budget_s is not None and time.perf_counter() - t_start > budget_s:
             rows.append({**shape_row, "status": "skipped: time budget spent"})
-            continue
-        free = _free_bytes()
-        if free is not None and p.need_bytes > 0.9 * free:
-            rows.append({**shape_row, "status": f"skipped: needs ~{p.need_bytes / 2**30:.1f} GiB, "
-                                                f"{free / 2**30:.1f} GiB free (curve ends)"})
-            ended.add(p.curve)
-            continue
-        try:
-            rows.extend(_run_point(ctx, p, shape_row))
-        except Exception as e:  # noqa: BLE001 - out of memory ends the curve; anything else is a bug
-            if not _is_oom(e):
-                raise
-            rows.append({**shape_row, "status": "out of memory (curve ends)"})
-            ended.add(p.curve)
-        finally:
-            if runtime.DEVICE == "cuda":
-                torch.cuda.empty_cache()
+        else:
+            free = _free_bytes()
+            if free is not None and p.need_bytes > 0.9 * free:
+                rows.append({**shape_row, "status": f"skipped: needs ~{p.need_bytes / 2**30:.1f} GiB, "
+                                                    f"{free / 2**30:.1f} GiB free (curve ends)"})
+                ended.add(p.curve)
+            else:
+                try:
+                    rows.extend(_run_point(ctx, p, shape_row))
+                except Exception as e:  # noqa: BLE001 - out of memory ends the curve; anything else is a bug
+                    if not _is_oom(e):
+                        rows.append({**shape_row, "status": _error_status(e)})
+                        if on_rows is not None:
+                            on_rows(complete())
+                        raise
+                    rows.append({**shape_row, "status": "out of memory (curve ends)"})
+                    ended.add(p.curve)
+                finally:
+                    if runtime.DEVICE == "cuda":
+                        torch.cuda.empty_cache()
+        if on_rows is not None and len(rows) > n_rows:
+            on_rows(complete())
+        done[p.sweep] = done.get(p.sweep, 0) + 1
+        _fault(p.sweep, done[p.sweep])
     bar.close()
-    return [{c: r.get(c) for c in COLUMNS} for r in rows]  # every row has every column
+    return complete()
 
 
 def _run_point(ctx: Ctx, p: Point, shape_row: dict) -> list[dict]:
