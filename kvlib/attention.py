@@ -7,7 +7,10 @@ What you will learn (notebook 01):
 - the online softmax: a running maximum and a running sum let one pass over K/V tiles produce
   exactly the softmax of the whole row, without ever holding the (T, S) score matrix;
 - a Triton kernel in which one program owns TILE_M query rows of one head and streams K/V in
-  tiles of TILE_N keys, accumulating in fp32, skipping tiles the causal mask hides entirely.
+  tiles of TILE_N keys, accumulating in fp32. It never loads the tiles the causal mask hides
+  entirely, and masks only the few that straddle the diagonal: one loop over the tiles below it
+  with no mask at all, then one loop with the mask;
+- why a kernel computes every offset into a tensor in 64 bits.
 
 Shapes: q (B, H, T, D); k, v (B, H_KV, S, D) with H % H_KV == 0; output (B, H, T, D).
 Causal masking is aligned to the end: query row i sits at position S - T + i (for the usual
@@ -91,6 +94,48 @@ def attention_ref(q, k, v, causal=True):
 
 
 @triton.jit
+def _online_softmax_step(
+    acc, l_i, m_i,  # this program's running sums and maximum (see the kernel)
+    q,  # (TILE_M, TILE_D) the program's query tile
+    k_ptrs, v_ptrs,  # (TILE_N, TILE_D) pointers to this key tile's K and V
+    start_n,  # position of the tile's first key
+    rows,  # (TILE_M,) the program's query rows
+    dim_ok,  # (TILE_D,) False for the padding columns beyond D
+    S, past, qk_scale,  # key positions, keys before the first query row (S - T), 1/sqrt(D) * log2(e)
+    MASK: tl.constexpr,  # False: every key of this tile exists and every row may see it
+    CAUSAL: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
+    """One step of the online softmax: fold keys start_n .. start_n + TILE_N - 1 into (acc, l_i, m_i).
+
+    MASK is a compile-time flag, so the kernel gets two copies of this body: one with no masking at all
+    for the tiles below the causal diagonal (nearly all of them), one with the masks for the few tiles on
+    the diagonal or at the end of S."""
+    if MASK:
+        cols = start_n + tl.arange(0, TILE_N)  # (TILE_N,) key positions of this tile
+        col_ok = cols < S  # False past the last key (only in the last tile of S)
+        kv_ok = col_ok[:, None] & dim_ok[None, :]
+    else:  # a full tile: only the padding columns beyond D are masked (none when D is a power of two)
+        kv_ok = dim_ok[None, :]
+    k = tl.load(k_ptrs, mask=kv_ok, other=0.0)  # (TILE_N, TILE_D)
+    s = tl.dot(q, tl.trans(k))  # (TILE_M, TILE_N) raw scores q . k, fp32
+    if MASK:
+        keep = col_ok[None, :]
+        if CAUSAL:  # row r sits at position past + r and may see keys 0 .. past + r
+            keep = keep & (cols[None, :] <= rows[:, None] + past)
+        s = tl.where(keep, s, float("-inf"))  # exp2(-inf) = 0: a left-out key gets no weight
+    # qk_scale > 0 does not change which score is the largest, so only the row maxima are scaled here;
+    # each score's scale goes into the exp2 below (one fused multiply-add per score, not two operations).
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # (TILE_M,) new running max, log2 units
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # (TILE_M, TILE_N) weights relative to the new maximum
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptrs, mask=kv_ok, other=0.0)  # (TILE_N, TILE_D)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # rescaled acc + P V, added inside the dot
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _flash_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # tensors as described in the module docstring
     stride_qb, stride_qh, stride_qt, stride_qd,  # q strides (elements) for B, H, T, D
@@ -102,52 +147,78 @@ def _flash_attention_kernel(
     qk_scale,  # 1/sqrt(D) * log2(e): we use exp2, which is what the hardware computes natively
     CAUSAL: tl.constexpr,  # apply the causal mask (and skip the tiles it hides)
     TILE_M: tl.constexpr,  # query rows per program
-    TILE_N: tl.constexpr,  # keys per step of the inner loop
+    TILE_N: tl.constexpr,  # keys per step of the inner loops
     TILE_D: tl.constexpr,  # head dim padded to a power of two (masked beyond D)
 ):
     pid_m = tl.program_id(0)  # which tile of query rows
     pid_bh = tl.program_id(1)  # which (batch, query head)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = pid_bh // H  # batch
+    h = pid_bh % H  # query head
     kv_h = h // n_rep  # GQA: the K/V head this query head reads
+    start_m = pid_m * TILE_M  # first query row of this program
 
-    rows = pid_m * TILE_M + tl.arange(0, TILE_M)  # (TILE_M,) query rows of this program
+    # 64-bit offsets. An index times a stride is an offset (in elements) from the start of the tensor.
+    # Triton computes it in its operands' type, and the JIT passes every int argument below 2**31 as a
+    # 32-bit int: the product wraps around, and the kernel reads or writes the wrong memory, once a
+    # tensor holds 2**31 elements (16 prompts of 32K tokens x 32 heads x 128 dims is exactly 2**31).
+    # So every index is made 64-bit before it meets a stride.
+    b = b.to(tl.int64)
+    h = h.to(tl.int64)
+    kv_h = kv_h.to(tl.int64)
+
+    rows = start_m + tl.arange(0, TILE_M)  # (TILE_M,) query rows of this program (for the masks)
     dims = tl.arange(0, TILE_D)  # (TILE_D,)
     row_ok = rows < T
     dim_ok = dims < D
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
+    # A tile's address = one 64-bit scalar for where the tile starts (computed once per program) + the
+    # offsets inside the tile, also 64-bit.
+    tile_rows = tl.arange(0, TILE_M).to(tl.int64)  # (TILE_M,) 0 .. TILE_M - 1
+    dims64 = dims.to(tl.int64)
+    q_tile = q_ptr + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qt  # q[b, h, start_m, 0]
+    q = tl.load(q_tile + tile_rows[:, None] * stride_qt + dims64[None, :] * stride_qd,
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # (TILE_M, TILE_D)
 
     m_i = tl.full((TILE_M,), -1.0e30, dtype=tl.float32)  # running max of each row's scores (log2 units)
     l_i = tl.zeros((TILE_M,), dtype=tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((TILE_M, TILE_D), dtype=tl.float32)  # running sum of exp2(score - m_i) * v
 
-    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
-    hi = S
-    if CAUSAL:  # keys after the last row's position are hidden from every row of this tile
-        hi = tl.minimum(S, (pid_m + 1) * TILE_M + S - T)
-    for start_n in range(0, hi, TILE_N):
-        cols = start_n + tl.arange(0, TILE_N)  # (TILE_N,) key positions of this step
-        col_ok = cols < S
-        k = tl.load(k_base + cols[:, None] * stride_ks + dims[None, :] * stride_kd,
-                    mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # (TILE_N, TILE_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (TILE_M, TILE_N) scores, fp32, log2 units
-        keep = col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + (S - T))
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (TILE_M,)
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
-        p = tl.exp2(s - m_new[:, None])  # (TILE_M, TILE_N)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + dims[None, :] * stride_vd,
-                    mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # (TILE_N, TILE_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Pointers to the first key tile (keys 0 .. TILE_N - 1) of K/V head kv_h, built once. After each step
+    # the loops move them on by TILE_N keys, a 64-bit step: the loops add, they never multiply.
+    tile_keys = tl.arange(0, TILE_N).to(tl.int64)  # (TILE_N,) 0 .. TILE_N - 1
+    k_ptrs = k_ptr + b * stride_kb + kv_h * stride_kh + tile_keys[:, None] * stride_ks + dims64[None, :] * stride_kd
+    v_ptrs = v_ptr + b * stride_vb + kv_h * stride_vh + tile_keys[:, None] * stride_vs + dims64[None, :] * stride_vd
+    # tl.cast, not stride_ks.to(): the JIT passes an int equal to 1 as a plain constant, which has no .to()
+    k_step = tl.cast(stride_ks, tl.int64) * TILE_N
+    v_step = tl.cast(stride_vs, tl.int64) * TILE_N
 
+    # Which key tiles need a mask? Query row r sits at position past + r (past = S - T keys cached before
+    # the first query, 0 for a plain prefill) and, with the causal mask, sees keys 0 .. past + r.
+    past = S - T
+    if CAUSAL:
+        # Keys [0, lo): whole tiles that end at or before the first row's position, so every row of this
+        # program sees every key in them (and they lie inside S): no mask. Keys from `hi` on come after the
+        # last row's position, hidden from every row: never loaded. Between the two lie the few tiles
+        # that straddle the diagonal (at most TILE_M / TILE_N + 1 of them, rounded up).
+        lo = (start_m + past + 1) // TILE_N * TILE_N
+        hi = tl.minimum(S, start_m + TILE_M + past)
+    else:  # every row sees every key: only a partial last tile of S needs a mask
+        lo = S // TILE_N * TILE_N
+        hi = S
+    for start_n in range(0, lo, TILE_N):  # the steady state: no mask at all
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, rows, dim_ok,
+                                             S, past, qk_scale, MASK=False, CAUSAL=CAUSAL, TILE_N=TILE_N)
+        k_ptrs += k_step
+        v_ptrs += v_step
+    for start_n in range(lo, hi, TILE_N):  # the diagonal and the end of S: masked
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, rows, dim_ok,
+                                             S, past, qk_scale, MASK=True, CAUSAL=CAUSAL, TILE_N=TILE_N)
+        k_ptrs += k_step
+        v_ptrs += v_step
+
+    # A guard only: each row sees at least one key, and its largest score adds exp2(0) = 1 to l_i.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + dims[None, :] * stride_od,
+    o_tile = o_ptr + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_ot  # out[b, h, start_m, 0]
+    tl.store(o_tile + tile_rows[:, None] * stride_ot + dims64[None, :] * stride_od,
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
@@ -155,27 +226,60 @@ def dot_on_tensor_cores(dtype: torch.dtype, device) -> bool:
     """Whether ``tl.dot`` on ``dtype`` runs on tensor cores there: fp16/bf16 on a GPU of compute capability
     8.0 or newer. fp32 runs in IEEE precision (runtime sets TRITON_F32_DEFAULT=ieee) and every dtype on a
     T4 (sm_75) runs on plain FMA units, which keep the whole tile in registers: they need smaller tiles."""
-    device = torch.device(device)
-    if dtype == torch.float32 or device.type != "cuda":
-        return dtype != torch.float32
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    if dtype == torch.float32:
+        return False
+    cap = runtime.capability(device)
+    return cap is None or cap >= (8, 0)
 
 
 def _tiles(D: int, interpreter: bool, tensor_cores: bool = True):
-    """Default tile sizes: (TILE_M, TILE_N, num_warps) for a padded head dim D.
+    """Default launch configuration for a padded head dim D: (TILE_M, TILE_N, num_warps, num_stages).
 
-    Chosen so that no configuration spills registers or asks for more shared memory than a block may
-    have (64 KiB on a T4): ``python -m kvlib.compile_check`` checks each for sm_75, sm_80 and sm_90.
+    Chosen with ``python -m kvlib.compile_check --module attention``, which builds the kernel as the JIT
+    builds it at launch for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200) and reads its registers,
+    spills, shared memory and the SASS of its steady-state loop (the unmasked one). Among the
+    configurations that neither spill nor need more shared memory than a block may have, each default is
+    the one whose loop issues the fewest warp instructions per FLOP: the loop's SASS instructions x
+    num_warps / (4 TILE_M TILE_N TILE_D), given below per 1,000 FLOPs (Triton 3.9; "B" = bytes/thread).
+
+    Tensor cores (fp16, bf16 on sm_80/sm_90; bf16 builds exactly like fp16):
+
+    - D <= 64: 128 x 128, 8 warps, 3 stages. sm_80: 197 registers, 80 KiB shared, 662 instructions = 1.26;
+      sm_90: 203 registers, 112 KiB, 474 = 0.90. (128 x 64: 1.36 and 1.14; 2 stages spill 16 B on sm_80;
+      the old 64 x 64 tiles, on the old kernel: 3.95 and 3.40.)
+    - D <= 128: 128 x 64, 8 warps, 3 stages. sm_80: 212 registers, 96 KiB, 558 = 1.06; sm_90: 182
+      registers, 128 KiB, 370 = 0.71. (128 x 128 spills 88 B on sm_80, and 2 stages spill 32 B there. On
+      sm_90 alone 128 x 128 builds without spilling at 255 registers, the most a thread may have, and 224
+      of the 227 KiB of shared memory: 0.57; not taken, as the next compiler version may well spill, and
+      both configurations' issue ceilings, 1,850 and 1,480 TFLOP/s, lie above the H200's dense fp16 peak,
+      989. The old 128 x 32 tiles on the old kernel: 1.52 and 1.37.)
+    - D = 256: 64 x 32, 8 warps, 3 stages (64 x 64 spills on sm_80).
+
+    FMA units (fp32 everywhere, every dtype on a T4): a warp's FFMA does 64 FLOPs, so 15.6 is the floor.
+
+    - D <= 64: 64 x 32, 8 warps, 2 stages: 20.8 (sm_80 fp32: 108 registers, 40 KiB), 21.1 (sm_90 fp32:
+      92), 20.9 (T4 fp32: 126, 32 KiB), 21.1 (T4 fp16: 211, 24 KiB). The old 16 x 16 tiles: 27.6 to 28.1.
+      (64 x 16 x 4 warps spills on sm_90 in fp32; 3 stages take more shared memory for no fewer instructions.)
+    - D <= 128: 32 x 16, 4 warps, 2 stages: 20.7 (sm_80 fp32: 144 registers), 20.9 (sm_90 fp32: 200),
+      21.0 (T4 fp32: 128), 21.0 (T4 fp16: 233, 24 KiB). 16 x 16: 24.0 to 24.7. (32 x 32 x 8 warps and
+      64 x 16 x 8 warps spill on sm_90 in fp32.)
+    - D = 256: 16 x 16, 4 warps, 2 stages (32 x 16 spills on a T4 in fp16).
+
+    ``tests/test_compile.py`` rebuilds the defaults with whichever Triton is installed and fails on a spill.
     """
-    if interpreter:  # fewer, larger programs run faster in the interpreter
-        return 32, 32, 4
-    if not tensor_cores:  # FMA units (fp32, or a T4): larger tiles spill on Triton 3.6 (32 x 32: 312 B/thread)
-        return 16, 16, 4
+    if interpreter:  # fewer, larger programs run faster in the interpreter (which ignores warps and stages)
+        return 32, 32, 4, 1
+    if not tensor_cores:
+        if D <= 64:
+            return 64, 32, 8, 2
+        if D <= 128:
+            return 32, 16, 4, 2
+        return 16, 16, 4, 2
     if D <= 64:
-        return 64, 64, 8  # 4 warps spill on sm_80 with Triton 3.2 and 3.6 (24-64 B/thread)
+        return 128, 128, 8, 3
     if D <= 128:
-        return 128, 32, 8  # TILE_N=64 spills 8 B/thread on sm_80
-    return 64, 32, 8
+        return 128, 64, 8, 3
+    return 64, 32, 8, 3
 
 
 def flash_attention(q, k, v, causal=True):
@@ -197,31 +301,54 @@ def flash_attention(q, k, v, causal=True):
     S = k.shape[2]
     out = torch.empty_like(q)
     TILE_D = max(16, triton.next_power_of_2(D))
-    TILE_M, TILE_N, num_warps = _tiles(TILE_D, runtime.INTERPRETER, dot_on_tensor_cores(q.dtype, q.device))
+    TILE_M, TILE_N, num_warps, num_stages = _tiles(TILE_D, runtime.INTERPRETER,
+                                                   dot_on_tensor_cores(q.dtype, q.device))
     grid = (triton.cdiv(T, TILE_M), B * H)
     _flash_attention_kernel[grid](
         q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         H, T, S, D, H // k.shape[1], (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        CAUSAL=causal, TILE_M=TILE_M, TILE_N=TILE_N, TILE_D=TILE_D, num_warps=num_warps,
+        CAUSAL=causal, TILE_M=TILE_M, TILE_N=TILE_N, TILE_D=TILE_D, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
-def _compile_spec(dtype: str, D: int, archs=(80, 90)):
-    tensor_cores = dtype != "fp32" and min(archs) >= 80
-    TILE_M, TILE_N, num_warps = _tiles(D, interpreter=False, tensor_cores=tensor_cores)
-    sig = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
-    for t in "qkvo":
-        sig.update({f"stride_{t}{a}": "i32" for a in ("b", "h", "t" if t in "qo" else "s", "d")})
-    sig.update(H="i32", T="i32", S="i32", D="i32", n_rep="i32", qk_scale="fp32",
-               CAUSAL="constexpr", TILE_M="constexpr", TILE_N="constexpr", TILE_D="constexpr")
-    return dict(kernel=_flash_attention_kernel, signature=sig, num_warps=num_warps, archs=archs,
-                constexprs=dict(CAUSAL=True, TILE_M=TILE_M, TILE_N=TILE_N, TILE_D=D))
+def _compile_launch(dtype: torch.dtype, D: int, causal: bool = True):
+    """A zero-argument launch for ``kvlib.compile_check``: flash_attention on CPU tensors shaped like a model's
+    (B=2, H=32 query heads sharing H_KV=8 K/V heads, T=S=256; views of (B, T, H, D) buffers, as
+    ``kvlib.model`` makes them: strides of H*D, D and 1). compile_check records the launch instead of
+    running it, so the values never matter; every stride and size is a multiple of 16, as in real
+    models, so the JIT specialises them exactly as it would there."""
+    def launch():
+        B, H, H_KV, T = 2, 32, 8, 256
+        q = torch.empty(B, T, H, D, dtype=dtype).transpose(1, 2)  # (B, H, T, D)
+        k = torch.empty(B, T, H_KV, D, dtype=dtype).transpose(1, 2)  # (B, H_KV, S, D)
+        v = torch.empty(B, T, H_KV, D, dtype=dtype).transpose(1, 2)
+        return flash_attention(q, k, v, causal=causal)
+    return launch
 
 
-# How tests/test_compile.py builds this kernel: the wrapper's default tiles per head dim for sm_80/sm_90,
-# and the FMA tiles it picks on a T4 (sm_75; no bf16 there).
-COMPILE_SPECS = [_compile_spec("fp16", 64), _compile_spec("fp16", 128), _compile_spec("fp32", 64),
-                 _compile_spec("bf16", 128),
-                 _compile_spec("fp16", 64, archs=(75,)), _compile_spec("fp16", 128, archs=(75,)),
-                 _compile_spec("fp32", 64, archs=(75,))]
+def _loop_work(a: dict) -> dict:
+    """What one program does per iteration of its first (unmasked) key loop: Q K^T and P V are each
+    TILE_M x TILE_N x TILE_D multiply-adds (2 FLOPs each), and it loads one TILE_N x TILE_D tile of K and
+    one of V."""
+    return dict(flops=4 * a["TILE_M"] * a["TILE_N"] * a["TILE_D"],
+                bytes=2 * a["TILE_N"] * a["TILE_D"] * a["k_ptr"].element_size(), loop=0)
+
+
+# What kvlib.compile_check (and tests/test_compile.py) builds: the launches the wrapper makes for the head
+# dims and dtypes of real models, with the tiles it picks on sm_80/sm_90 (tensor cores) and on a T4
+# (sm_75: FMA units, no bf16). `loops` says how much work one iteration of the steady-state loop does.
+COMPILE_SPECS = [
+    dict(name=f"prefill {name} D={D} {'causal' if causal else 'full'}",
+         launch=_compile_launch(dtype, D, causal), archs=archs, loops={"_flash_attention_kernel": _loop_work})
+    for name, dtype, D, causal, archs in [
+        ("fp16", torch.float16, 64, True, (80, 90)),
+        ("fp16", torch.float16, 128, True, (80, 90)),
+        ("fp16", torch.float16, 128, False, (80, 90)),
+        ("bf16", torch.bfloat16, 128, True, (80, 90)),
+        ("fp32", torch.float32, 64, True, (80, 90)),
+        ("fp16", torch.float16, 64, True, (75,)),
+        ("fp16", torch.float16, 128, True, (75,)),
+        ("fp32", torch.float32, 64, True, (75,)),
+    ]
+]

@@ -120,21 +120,14 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr,  # q (B, H, D); caches (B, H_KV, S_max, D), or block pools (num_blocks, block_size, H_KV, D)
+    q_ptr, k_ptr, v_ptr,  # q (B, H, D); caches (B, H_KV, S_max, D)
     o_ptr, lse_ptr,  # output (B, H, SPLITS, D) fp32 partials and (B, H, SPLITS) log-sum-exp (log2 units)
     seq_lens_ptr,  # (B,) valid cached positions per sequence
-    block_table_ptr,  # (B, max_blocks) physical block of each logical block (PAGED only; chapter 05)
-    k_scale_ptr, v_scale_ptr,  # (B, H_KV, S_max) fp16/fp32 scale of each cached row (INT8 only; chapter 06)
-    stride_sb, stride_sh,  # scale strides per sequence and per head (the position stride is 1)
     stride_qb, stride_qh,  # q strides (the D stride is 1)
-    stride_kb, stride_kh, stride_ks,  # k strides: per sequence (per block if PAGED), per head, per position
+    stride_kb, stride_kh, stride_ks,  # k strides: per sequence, per head, per position
     stride_vb, stride_vh, stride_vs,  # v strides, the same way
-    stride_bt,  # block table row stride (PAGED only)
     H, D, n_rep,  # query heads, head dim, query heads per K/V head
-    block_size,  # positions per cache block (PAGED only)
     qk_scale,  # 1/sqrt(D) * log2(e)
-    PAGED: tl.constexpr,  # False: contiguous cache (chapter 03); True: K/V found through the block table
-    INT8: tl.constexpr,  # True: K/V are int8 with one scale per (sequence, head, position) (chapter 06)
     SPLITS: tl.constexpr,  # programs per (sequence, head) along the positions (1 = no split)
     TILE_N: tl.constexpr,  # cached positions per inner step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
@@ -146,7 +139,7 @@ def _decode_kernel(
     # 8 K/V heads, 64K positions, D = 128 already does). A 64-bit b makes every product below 64-bit.
     b = pid_bh // H
     h = pid_bh % H
-    kv_h = h // n_rep
+    kv_h = h // n_rep  # GQA: the K/V head this query head reads
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     # Split-K sized by this sequence's own length (as vLLM and SGLang do), in multiples of 16 positions:
     # sized by S_max instead, a short sequence's positions would all land in the first split.
@@ -157,38 +150,25 @@ def _decode_kernel(
     dims = tl.arange(0, TILE_D)
     dim_ok = dims < D
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dims, mask=dim_ok, other=0.0).to(tl.float32)  # (TILE_D,)
+    k_head = k_ptr + b * stride_kb + kv_h * stride_kh  # position 0 of this sequence's K/V head
+    v_head = v_ptr + b * stride_vb + kv_h * stride_vh
     m_i = -1.0e30  # running max (log2 units)
     l_i = 0.0  # running sum of exp2(score - m_i)
     acc = tl.zeros((TILE_D,), dtype=tl.float32)
     for pos0 in range(start, end, TILE_N):
-        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,) logical positions of this step
+        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,) positions of this step
         pos_ok = pos < end
-        if PAGED:  # the only difference from a contiguous cache: where position `pos` lives
-            blk = tl.load(block_table_ptr + b * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
-            slot = (pos % block_size).to(tl.int64)  # position inside its block
-            k_rows = k_ptr + blk * stride_kb + slot * stride_ks + kv_h * stride_kh  # (TILE_N,)
-            v_rows = v_ptr + blk * stride_vb + slot * stride_vs + kv_h * stride_vh
-        else:
-            k_rows = k_ptr + b * stride_kb + kv_h * stride_kh + pos.to(tl.int64) * stride_ks  # (TILE_N,)
-            v_rows = v_ptr + b * stride_vb + kv_h * stride_vh + pos.to(tl.int64) * stride_vs
-        k = tl.load(k_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
-                    other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
+        mask = pos_ok[:, None] & dim_ok[None, :]
+        rows = pos.to(tl.int64)[:, None]  # (TILE_N, 1)
+        k = tl.load(k_head + rows * stride_ks + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,) one query: a row of dot products
-        if INT8:  # q . (scale * k_int8) = scale * (q . k_int8): one multiply per row, not per element
-            s_rows = b * stride_sb + kv_h * stride_sh + pos
-            s = s * tl.load(k_scale_ptr + s_rows, mask=pos_ok, other=0.0).to(tl.float32)
         s = tl.where(pos_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)  # (TILE_N,)
-        v = tl.load(v_rows[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :],
-                    other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
+        v = tl.load(v_head + rows * stride_vs + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        if INT8:  # sum_j p_j * (scale_j * v_int8_j): fold each row's scale into its probability
-            v_scale = tl.load(v_scale_ptr + s_rows, mask=pos_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum((p * v_scale)[:, None] * v, axis=0)
-        else:
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
 
     row = pid_bh * SPLITS + split
@@ -221,9 +201,12 @@ def _merge_splits_kernel(
 
 
 def _decode_tile_n(TILE_D: int, element_size: int = 2) -> int:
-    """Cached positions per inner step on a GPU: 8 KB per K (or V) tile, so 32 rows of 128 fp16 values
-    or 16 of fp32 (32 fp32 rows spill on sm_80: ``python -m kvlib.compile_check --module cache``)."""
-    return max(16, 8192 // (TILE_D * element_size))
+    """Cached positions per inner step on a GPU: 64 rows of 128 fp16/bf16 values (16 KB per K or V tile), 16
+    of fp32 (8 KB). Built as the JIT builds them (``python -m kvlib.compile_check --module cache``), 64 fp16
+    rows take 87 warp instructions per KB of K/V on sm_90 against 97.5 for 32 rows, with 95 registers and
+    no spill on sm_75/80/90; 32 fp32 rows spill on sm_80."""
+    budget = 16384 if element_size <= 2 else 8192
+    return max(16, budget // (TILE_D * element_size))
 
 
 def choose_splits(programs: int, max_len: int) -> int:
@@ -265,36 +248,26 @@ def decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     if not runtime.require_triton("cache.decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
                                   seq_lens=seq_lens):
         return decode_attention_ref(q, k_cache, v_cache, seq_lens)
-    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-    return launch_decode(q, k_cache, v_cache, seq_lens, kv_strides, q.shape[1] // k_cache.shape[1], k_cache.shape[2],
-                         num_splits, block_table=None, block_size=1, longest=longest)
+    return launch_decode(q, k_cache, v_cache, seq_lens, num_splits, longest)
 
 
-def launch_decode(q, k, v, seq_lens, kv_strides, n_rep, max_len, num_splits, block_table, block_size,
-                  k_scale=None, v_scale=None, longest=None):
-    """Launch ``_decode_kernel`` (+ the split merge) for a contiguous cache or, with a block table,
-    a paged one, or with scales an int8 one. ``kv_strides``: (k per-sequence-or-block, per-head,
-    per-position, then the same for v)."""
+def launch_decode(q, k, v, seq_lens, num_splits=None, longest=None):
+    """Launch ``_decode_kernel`` (+ the split merge) over contiguous caches k, v (B, H_KV, S_max, D).
+    longest: the longest of seq_lens when the caller knows it (saves reading it back from the GPU)."""
     B, H, D = q.shape
+    n_rep = H // k.shape[1]
     if num_splits is None:  # the grid below launches B·H programs per split
         num_splits = choose_splits(B * H, int(seq_lens.max()) if longest is None else longest)
     check_num_splits(num_splits)
-    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] and block_table[b, i] with unit strides
-    block_table = None if block_table is None else block_table.contiguous()
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] with a unit stride
     TILE_D = max(16, triton.next_power_of_2(D))
-    TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D, max(k.element_size(), 2))
+    TILE_N = 64 if runtime.INTERPRETER else _decode_tile_n(TILE_D, k.element_size())
     part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
-    paged, int8 = block_table is not None, k_scale is not None
-    bt = block_table if paged else seq_lens  # any int tensor: never read when not PAGED
-    ks, vs = (k_scale, v_scale) if int8 else (part, part)  # any fp32 tensor: never read when not INT8
     _decode_kernel[(B * H, num_splits)](
-        q, k, v, part, lse, seq_lens, bt, ks, vs, ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
-        q.stride(0), q.stride(1), *kv_strides,
-        bt.stride(0) if paged else 0, H, D, n_rep, block_size,
-        (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        PAGED=paged, INT8=int8, SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
+        q, k, v, part, lse, seq_lens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), H, D, n_rep, (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        SPLITS=num_splits, TILE_N=TILE_N, TILE_D=TILE_D,
     )
     return merge_splits(q, part, lse)
 
@@ -602,33 +575,9 @@ def _compile_inputs(dtype=torch.float16, B=2, H=32, H_KV=8, S_max=1024, D=128):
 
 
 def _decode_loop(a):
-    """What one program of _decode_kernel reads per step: a K and a V tile (and their scales, INT8), which
-    each of the n_rep query heads of a group reads again."""
-    rows = a["TILE_N"]
-    scales = 2 * rows * a["k_scale_ptr"].element_size() if a["INT8"] else 0
-    return dict(bytes=2 * rows * a["TILE_D"] * a["k_ptr"].element_size() + scales, reread=a["n_rep"])
-
-
-def _paged_launch(dtype=torch.float16, block_size=16, splits=1):
-    """The per-head kernel through a block table (chapter 05's first version), blocks in reverse order."""
-    q, k, v, lens = _compile_inputs(dtype)
-    B, H_KV, S_max, D = k.shape
-    n_blocks = B * S_max // block_size
-    pool = (torch.zeros(n_blocks, block_size, H_KV, D, dtype=dtype) for _ in range(2))
-    table = torch.arange(n_blocks, dtype=torch.int32).flip(0).view(B, -1).contiguous()
-    kp, vp = pool
-    strides = (kp.stride(0), kp.stride(2), kp.stride(1), vp.stride(0), vp.stride(2), vp.stride(1))
-    return launch_decode(q, kp, vp, lens, strides, q.shape[1] // H_KV, S_max, splits, block_table=table,
-                         block_size=block_size)
-
-
-def _int8_launch(splits=1):
-    q, k, v, lens = _compile_inputs(torch.float16)
-    kq, vq = k.to(torch.int8), v.to(torch.int8)
-    ks, vs = (torch.ones(k.shape[:3], dtype=torch.float16) for _ in range(2))
-    strides = (kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2))
-    return launch_decode(q, kq, vq, lens, strides, q.shape[1] // k.shape[1], k.shape[2], splits, block_table=None,
-                         block_size=1, k_scale=ks, v_scale=vs)
+    """What one program of _decode_kernel reads per step: a K and a V tile, which each of the n_rep query
+    heads of a group reads again."""
+    return dict(bytes=2 * a["TILE_N"] * a["TILE_D"] * a["k_ptr"].element_size(), reread=a["n_rep"])
 
 
 def _store_launch(T):
@@ -638,14 +587,12 @@ def _store_launch(T):
 
 
 COMPILE_SPECS = [
-    *(dict(name=f"decode {dt} 32/8 splits={n}", launch=lambda dt=dt, n=n: decode_attention(
-        *_compile_inputs(getattr(torch, dt)), num_splits=n), archs=archs, loops={"_decode_kernel": _decode_loop})
-      for dt, archs in (("float16", (75, 80, 90)), ("bfloat16", (80, 90)), ("float32", (75, 80, 90)))
-      for n in (1, 8)),
-    *(dict(name=f"decode paged fp16 block {bs} splits={n}", launch=lambda bs=bs, n=n: _paged_launch(
-        block_size=bs, splits=n), loops={"_decode_kernel": _decode_loop}) for bs in (16, 128) for n in (1, 8)),
-    *(dict(name=f"decode int8 splits={n}", launch=lambda n=n: _int8_launch(n), loops={"_decode_kernel": _decode_loop})
-      for n in (1, 8)),
+    *(dict(name=f"decode fp16 {H}/{H_KV} splits={n}", launch=lambda H=H, H_KV=H_KV, n=n: decode_attention(
+        *_compile_inputs(H=H, H_KV=H_KV), num_splits=n), loops={"_decode_kernel": _decode_loop})
+      for H, H_KV, n in ((32, 8, 1), (32, 8, 8), (64, 8, 1), (32, 32, 1))),
+    *(dict(name=f"decode {dt} 32/8", launch=lambda dt=dt: decode_attention(
+        *_compile_inputs({"bf16": torch.bfloat16, "fp32": torch.float32}[dt]), num_splits=1), archs=archs, loops={"_decode_kernel": _decode_loop})
+      for dt, archs in (("bf16", (80, 90)), ("fp32", (75, 80, 90)))),
     dict(name="store 1 token", launch=lambda: _store_launch(1)),
     dict(name="store 512 tokens", launch=lambda: _store_launch(512)),
 ]

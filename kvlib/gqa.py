@@ -7,7 +7,9 @@ What you will learn:
   It costs memory traffic: every copy is written and read again;
 - ``grouped_decode_attention``: one program per (sequence, K/V head) loads each K/V tile *once*
   and computes all n_rep query heads of its group with ``tl.dot`` (the group padded to 16 rows, the
-  smallest ``tl.dot`` tile), so the bytes read per token drop by n_rep;
+  smallest ``tl.dot`` tile), so the bytes read per token drop by n_rep. Chapter 03's kernel runs one
+  program per *query* head and reads each K/V element n_rep times. The paged (chapter 05) and int8
+  (chapter 06) decodes use this kernel too (``PAGED``, ``INT8``): ``grouped_decode_launch``;
 - ``mha_to_gqa``: converting a trained MHA model by mean-pooling the K/V projection heads of each
   group (as the GQA paper, Ainslie et al. 2023, does), optionally followed by a short fine-tune.
 
@@ -60,74 +62,209 @@ def grouped_decode_attention_ref(q, k_cache, v_cache, seq_lens):
 
 
 @triton.jit
+def _kv_offsets(pos0, rows, pos_ok, dims, table_row, stride_kb, stride_ks, stride_vb, stride_vs,
+                PAGED: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """Where the K and the V tile of positions pos0 + rows (rows = 0 .. TILE_N - 1) lie: int64 offsets
+    (TILE_N, TILE_D) of its elements from this K/V head's base pointer (the sequence's own, for a
+    contiguous cache). This is all that paging changes (chapter 05).
+
+    Tiles start at multiples of TILE_N and BLOCK_SIZE is a compile-time constant (so pos // BLOCK_SIZE and
+    pos % BLOCK_SIZE are a shift and a mask for a power of two), which leaves three cases, chosen when the
+    kernel is compiled:
+    - BLOCK_SIZE a multiple of TILE_N (128 with 64-row tiles): the tile lies inside one block, so one
+      table entry per tile, and its rows are consecutive slots, as in a contiguous cache;
+    - TILE_N a multiple of BLOCK_SIZE (1, 2, 16 with 64-row tiles): one table entry per row, and row r
+      sits in slot r % BLOCK_SIZE of its block in every tile;
+    - any other block size (5, 48): one table entry per row, and its slot pos % BLOCK_SIZE.
+    What does not depend on pos0 the compiler computes once, before the kernel's loop.
+    """
+    pos = pos0 + rows
+    if PAGED and BLOCK_SIZE % TILE_N != 0:  # one table entry per row
+        blk = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)  # (TILE_N,)
+        slots = rows % BLOCK_SIZE if TILE_N % BLOCK_SIZE == 0 else pos % BLOCK_SIZE  # (TILE_N,) each row's slot
+        # (the parentheses keep what is the same in every tile apart, for the compiler to hoist)
+        k_off = (blk * stride_kb)[:, None] + (slots.to(tl.int64)[:, None] * stride_ks + dims[None, :])
+        v_off = (blk * stride_vb)[:, None] + (slots.to(tl.int64)[:, None] * stride_vs + dims[None, :])
+    else:  # the tile's rows are consecutive positions (slots): one offset for the tile, then row * stride
+        if PAGED:
+            blk = tl.load(table_row + pos0 // BLOCK_SIZE).to(tl.int64)  # the tile's one block
+            slot0 = tl.cast(pos0 % BLOCK_SIZE, tl.int64)  # the tile's first slot in it
+            k0, v0 = blk * stride_kb + slot0 * stride_ks, blk * stride_vb + slot0 * stride_vs
+        else:  # a contiguous cache: position p at p * stride
+            k0, v0 = tl.cast(pos0, tl.int64) * stride_ks, tl.cast(pos0, tl.int64) * stride_vs
+        k_off = k0 + (rows.to(tl.int64)[:, None] * stride_ks + dims[None, :])
+        v_off = v0 + (rows.to(tl.int64)[:, None] * stride_vs + dims[None, :])
+    return k_off, v_off
+
+
+@triton.jit
 def _grouped_decode_kernel(
-    q_ptr, k_ptr, v_ptr,  # q (B, H, D); caches (B, H_KV, S_max, D)
-    o_ptr, lse_ptr,  # partials (B*H, SPLITS, D) fp32 and (B*H, SPLITS) log-sum-exp, as _decode_kernel
+    q_ptr, k_ptr, v_ptr,  # q (B, H, D); K/V: caches (B, H_KV, S_max, D), or block pools (num_blocks, BLOCK_SIZE,
+    # H_KV, D) when PAGED; int8 when INT8
+    o_ptr, lse_ptr,  # partials (B*H, SPLITS, D) fp32 and (B*H, SPLITS) log-sum-exp (log2 units), as _decode_kernel
     seq_lens_ptr,  # (B,)
+    block_table_ptr,  # (B, max_blocks) physical block of each logical block (PAGED only; chapter 05)
+    k_scale_ptr, v_scale_ptr,  # (B, H_KV, S_max) scale of each cached row (INT8 only; chapter 06)
     stride_qb, stride_qh,  # q strides (D stride 1)
-    stride_kb, stride_kh, stride_ks,  # k strides (D stride 1)
-    stride_vb, stride_vh, stride_vs,  # v strides (D stride 1)
-    H_KV, D, n_rep, split_len,  # K/V heads, head dim, query heads per K/V head, positions per split
+    stride_kb, stride_kh, stride_ks,  # K strides: per sequence (per block when PAGED), per head, per position
+    stride_vb, stride_vh, stride_vs,  # V strides, the same way
+    stride_bt,  # block table row stride (PAGED only; the column stride is 1)
+    stride_sb, stride_sh,  # scale strides per sequence and per head (INT8 only; the position stride is 1)
+    H_KV, D, n_rep,  # K/V heads, head dim, query heads per K/V head
     qk_scale,  # 1/sqrt(D) * log2(e)
+    PAGED: tl.constexpr,  # True: K/V found through the block table
+    BLOCK_SIZE: tl.constexpr,  # positions per block (PAGED only): a constant, so pos // BLOCK_SIZE is a shift for 16
+    INT8: tl.constexpr,  # True: K/V int8 with one scale per (sequence, K/V head, position)
     SPLITS: tl.constexpr,  # programs per (sequence, K/V head) along the positions
     GROUP: tl.constexpr,  # n_rep padded to a power of two >= 16 (tl.dot needs 16 rows)
     TILE_N: tl.constexpr,  # cached positions per step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
+    DOT_FP32: tl.constexpr,  # the dots in fp32: only for bf16 in the interpreter (see grouped_decode_partials)
 ):
+    tl.static_assert(not (PAGED and INT8), "a paged int8 cache is not implemented")
     pid = tl.program_id(0)  # which (sequence, K/V head)
-    split = tl.program_id(1)
-    b = pid // H_KV
-    kv_h = pid % H_KV
-    seq_len = tl.load(seq_lens_ptr + b)
+    split = tl.program_id(1)  # which slice of the sequence's positions
+    # Offsets in 64 bits: Triton passes a stride below 2**31 as int32, and b * stride_kb is computed in the
+    # type of its operands, so in 32 bits it wraps once (B-1) * H_KV * S_max * D passes 2**31 (or a block
+    # pool holds 2**31 elements). With b, kv_h and block ids in int64, every product with a stride is 64-bit.
+    b = (pid // H_KV).to(tl.int64)
+    kv_h = (pid % H_KV).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # Split-K sized by this sequence's own length (as vLLM and SGLang do): SPLITS equal slices, each a whole
+    # number of tiles (so tiles start at multiples of TILE_N). Slices past a short sequence's end are empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE_N) * TILE_N
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
 
     g = tl.arange(0, GROUP)  # rows: the query heads of this group (padding rows beyond n_rep)
     g_ok = g < n_rep
-    heads = kv_h * n_rep + g  # query head of each row
+    heads = kv_h * n_rep + g  # (GROUP,) query head of each row
     dims = tl.arange(0, TILE_D)
     dim_ok = dims < D
+    rows = tl.arange(0, TILE_N)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=g_ok[:, None] & dim_ok[None, :], other=0.0)  # (GROUP, TILE_D)
+                mask=g_ok[:, None] & dim_ok[None, :], other=0.0)  # (GROUP, TILE_D), the query's dtype
+    if DOT_FP32:
+        q = q.to(tl.float32)  # (and each tile below: q.dtype is what the dots multiply)
+    k_head = k_ptr + kv_h * stride_kh  # this K/V head's first element (of this sequence, if not PAGED)
+    v_head = v_ptr + kv_h * stride_vh
+    if not PAGED:
+        k_head += b * stride_kb
+        v_head += b * stride_vb
+    table_row = block_table_ptr + b * stride_bt
+    scale_row = b * stride_sb + kv_h * stride_sh  # the scales of this sequence and K/V head (INT8)
+
     m_i = tl.full((GROUP,), -1.0e30, dtype=tl.float32)
     l_i = tl.zeros((GROUP,), dtype=tl.float32)
     acc = tl.zeros((GROUP, TILE_D), dtype=tl.float32)
     for pos0 in range(start, end, TILE_N):
-        pos = pos0 + tl.arange(0, TILE_N)
+        pos = pos0 + rows  # (TILE_N,) the positions of this tile
         pos_ok = pos < end
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + b * stride_kb + kv_h * stride_kh + pos[:, None] * stride_ks + dims[None, :],
-                    mask=kv_mask, other=0.0)  # (TILE_N, TILE_D): loaded once for the whole group
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale  # (GROUP, TILE_N)
+        k_off, v_off = _kv_offsets(pos0, rows, pos_ok, dims, table_row, stride_kb, stride_ks, stride_vb, stride_vs,
+                                   PAGED, BLOCK_SIZE, TILE_N)
+        k = tl.load(k_head + k_off, mask=kv_mask, other=0.0)  # (TILE_N, TILE_D): read once for the whole group
+        s = tl.dot(q, tl.trans(k).to(q.dtype))  # (GROUP, TILE_N) fp32; an int8 k (|k| <= 127) converts exactly
+        if INT8:  # q . (scale * k_int8) = scale * (q . k_int8): one multiply per column (cached row)
+            k_scale = tl.load(k_scale_ptr + scale_row + pos, mask=pos_ok, other=0.0).to(tl.float32)
+            s = s * (k_scale * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s - m_new[:, None])  # (GROUP, TILE_N)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + b * stride_vb + kv_h * stride_vh + pos[:, None] * stride_vs + dims[None, :],
-                    mask=kv_mask, other=0.0)  # (TILE_N, TILE_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        v = tl.load(v_head + v_off, mask=kv_mask, other=0.0)  # (TILE_N, TILE_D)
+        if INT8:  # sum_j p_j * (scale_j * v_int8_j) = sum_j (p_j * scale_j) * v_int8_j: fold the scale into p
+            p = p * tl.load(v_scale_ptr + scale_row + pos, mask=pos_ok, other=0.0).to(tl.float32)[None, :]
+        p = p.to(q_ptr.dtype.element_ty)  # rounded to the query's dtype: fp16/bf16 dots run on tensor cores
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))  # (GROUP, TILE_D)
         m_i = m_new
 
-    rows = (b * H_KV * n_rep + heads) * SPLITS + split  # (GROUP,) row of each query head's partial result
-    empty = l_i == 0.0
-    tl.store(o_ptr + rows[:, None] * D + dims[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
+    out_rows = (b * H_KV * n_rep + heads) * SPLITS + split  # (GROUP,) row of each query head's partial result
+    empty = l_i == 0.0  # a split past the end of a short sequence saw no positions
+    tl.store(o_ptr + out_rows[:, None] * D + dims[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
              mask=g_ok[:, None] & dim_ok[None, :])
-    tl.store(lse_ptr + rows, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=g_ok)
+    tl.store(lse_ptr + out_rows, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))),
+             mask=g_ok)
 
 
-def _grouped_tiles(D: int, interpreter: bool, tensor_cores: bool = True) -> int:
-    """TILE_N: 4096 elements per K (or V) tile; half that on FMA units (fp32, or a T4), where 32 x 128 needs
-    255 registers and spills on sm_75 (kvlib.compile_check checks both)."""
-    elements = 4096 if tensor_cores else 2048
-    return 32 if interpreter else max(16, elements // max(16, triton.next_power_of_2(D)))
+def _grouped_config(TILE_D: int, GROUP: int, kv_size: int, tensor_cores: bool, interpreter: bool = False):
+    """(TILE_N, num_warps, num_stages) of _grouped_decode_kernel for a padded head dim TILE_D, GROUP query
+    rows and K/V elements of kv_size bytes (1: int8).
+
+    Chosen with ``python -m kvlib.compile_check --module gqa paged quant`` (Triton 3.9; 32/8 heads, D = 128):
+    nothing spills, and among those the fewest SASS instructions in the main loop per KB of K/V it reads.
+
+    - Tensor cores (fp16/bf16 on sm_80 and sm_90): 64 positions, 4 warps, 2 stages: 96 / 128 registers,
+      38 KB shared, 334 / 380 instructions per 32 KB step = 42 / 47 per KB (32 positions: 58 / 55 per KB;
+      128 with 8 warps: 47 / 48). Through a block table: 53 per KB at block size 16 (16-row tiles, one table
+      entry each, took 91 / 94), 43 / 44 at 128, 57 at 1. int8: 3 stages (its tiles are half the bytes):
+      222 / 172 registers, 197 / 201 per KB; half of that loop converts the int8 operands of the dots to
+      fp16 after their shared-memory loads (byte permutes and I2F), which the fp16 kernel does not do.
+    - FMA units (fp32 anywhere; every dtype on a T4, sm_75): tl.dot keeps whole tiles in registers, so 16
+      positions: 127 registers on sm_75 (32 take 226), 405 instructions per KB in fp16 there, 204 in fp32
+      on sm_90 (where 32 positions spill 536 bytes). int8: 1 stage (with an fp32 query 2 spill 192 bytes).
+    - 8 warps for 64 query rows (MQA, 64/1 heads) on tensor cores (4 warps take 255 registers on sm_80)
+      and for 32 on FMA units (227 registers with 4 warps; 64 rows spill 528 bytes on sm_75).
+    """
+    if interpreter:  # NumPy: fewer, larger steps run faster
+        return 32, 4, 1
+    num_warps = 4 if GROUP <= (32 if tensor_cores else 16) else 8
+    if not tensor_cores:
+        return max(16, 2048 // TILE_D), num_warps, 1 if kv_size == 1 else 2
+    return max(16, 8192 // TILE_D), num_warps, 3 if kv_size == 1 else 2
+
+
+def grouped_decode_launch(q, k, v, seq_lens, kv_strides, H_KV, num_splits=None, longest=None, *,
+                          block_table=None, block_size=1, k_scale=None, v_scale=None):
+    """Run ``_grouped_decode_kernel`` and merge its splits: decode attention over a contiguous cache, or
+    with a block table a paged one (chapter 05), or with scales an int8 one (chapter 06). ``kv_strides``:
+    (K per sequence or block, per head, per position, then the same for V); ``longest``: the longest of
+    seq_lens if the caller knows it (saves a GPU sync). Returns (B, H, D) in q's dtype."""
+    return merge_splits(q, *grouped_decode_partials(q, k, v, seq_lens, kv_strides, H_KV, num_splits, longest,
+                                                    block_table=block_table, block_size=block_size,
+                                                    k_scale=k_scale, v_scale=v_scale))
+
+
+def grouped_decode_partials(q, k, v, seq_lens, kv_strides, H_KV, num_splits=None, longest=None, *,
+                            block_table=None, block_size=1, k_scale=None, v_scale=None):
+    """``grouped_decode_launch`` before the merge: the kernel's per-split partial outputs (B*H, SPLITS, D)
+    and log-sum-exps (B*H, SPLITS), -inf for a split that held no positions."""
+    B, H, D = q.shape
+    if num_splits is None:  # the grid launches B·H_KV programs per split
+        num_splits = choose_splits(B * H_KV, int(seq_lens.max()) if longest is None else longest)
+    check_num_splits(num_splits)
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] and block_table[b, i] with unit strides
+    paged, int8 = block_table is not None, k_scale is not None
+    bt = block_table.contiguous() if paged else seq_lens  # any int tensor: never read when not PAGED
+    ks, vs = (k_scale, v_scale) if int8 else (q, q)  # any tensor: never read when not INT8
+    TILE_D = max(16, triton.next_power_of_2(D))
+    GROUP = max(16, triton.next_power_of_2(H // H_KV))
+    TILE_N, num_warps, num_stages = _grouped_config(TILE_D, GROUP, k.element_size(),
+                                                    dot_on_tensor_cores(q.dtype, q.device), runtime.INTERPRETER)
+    part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
+    _grouped_decode_kernel[(B * H_KV, num_splits)](
+        q, k, v, part, lse, seq_lens, bt, ks, vs, q.stride(0), q.stride(1), *kv_strides,
+        bt.stride(0) if paged else 0, ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
+        H_KV, D, H // H_KV, (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        PAGED=paged, BLOCK_SIZE=block_size if paged else 1, INT8=int8, SPLITS=num_splits,
+        GROUP=GROUP, TILE_N=TILE_N, TILE_D=TILE_D,
+        # NumPy has no bf16: the interpreter keeps bf16 as raw 16-bit integers and its tl.dot multiplies
+        # those, so there (only) the dot's operands go to fp32 first, after the same rounding as on a GPU.
+        DOT_FP32=runtime.INTERPRETER and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return part, lse
 
 
 def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     """Decode attention with one program per (sequence, K/V head) serving its whole query group.
 
     q (B, H, D); caches (B, H_KV, S_max, D), fp32 or fp16 (bf16 only on a GPU of compute capability
-    >= 8.0: the interpreter computes its tl.dot wrongly); seq_lens (B,).
+    >= 8.0); seq_lens (B,). num_splits: None chooses (``cache.choose_splits``), else a power of two.
 
     >>> from kvlib.runtime import DEVICE
     >>> g = torch.Generator().manual_seed(0)
@@ -145,24 +282,9 @@ def grouped_decode_attention(q, k_cache, v_cache, seq_lens, num_splits=None):
     if not runtime.require_triton("gqa.grouped_decode_attention", q=q, k_cache=k_cache,
                                   v_cache=v_cache, seq_lens=seq_lens):
         return grouped_decode_attention_ref(q, k_cache, v_cache, seq_lens)
-    B, H, D = q.shape
-    H_KV, S_max = k_cache.shape[1], k_cache.shape[2]
-    n_rep = H // H_KV
-    if num_splits is None:
-        num_splits = choose_splits(B * H_KV, longest)
-    check_num_splits(num_splits)
-    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] with a unit stride
-    TILE_D = max(16, triton.next_power_of_2(D))
-    part = torch.empty(B * H, num_splits, D, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B * H, num_splits, device=q.device, dtype=torch.float32)
-    _grouped_decode_kernel[(B * H_KV, num_splits)](
-        q, k_cache, v_cache, part, lse, seq_lens, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), H_KV, D, n_rep, triton.cdiv(S_max, num_splits), (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        SPLITS=num_splits, GROUP=max(16, triton.next_power_of_2(n_rep)),
-        TILE_N=_grouped_tiles(D, runtime.INTERPRETER, dot_on_tensor_cores(q.dtype, q.device)), TILE_D=TILE_D,
-    )
-    return merge_splits(q, part, lse)
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    return grouped_decode_launch(q, k_cache, v_cache, seq_lens, kv_strides, k_cache.shape[1], num_splits, longest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,17 +349,33 @@ def finetune(model, train_ids: torch.Tensor, steps: int = 60, batch: int = 8, se
     return losses
 
 
-# How tests/test_compile.py builds the grouped kernel (32 query / 8 K/V heads, D = 128, fp16): the default
-# tiles for sm_80/sm_90 and the FMA tiles for a T4 (sm_75).
+# --------------------------------------------------------------------------------------------
+# How kvlib.compile_check builds the kernel (kvlib.paged and kvlib.quant use these helpers too)
+# --------------------------------------------------------------------------------------------
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _compile_inputs(dtype="fp16", B=2, H=32, H_KV=8, S_max=1024, D=128):
+    """q, k, v, seq_lens on the CPU at a realistic shape: two ragged sequences in a 1024-position cache."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, D, generator=g).to(_DTYPES[dtype])
+    k, v = (torch.randn(B, H_KV, S_max, D, generator=g).to(_DTYPES[dtype]) for _ in range(2))
+    return q, k, v, torch.tensor([S_max - 24, S_max // 2 + 5][:B] + [S_max] * max(0, B - 2), dtype=torch.int32)
+
+
+def _decode_loop(a):
+    """What one program of _grouped_decode_kernel loads per step: a K and a V tile (and their scales, INT8),
+    once for its whole group of query heads."""
+    scales = 2 * a["TILE_N"] * a["k_scale_ptr"].element_size() if a["INT8"] else 0
+    return dict(bytes=2 * a["TILE_N"] * a["TILE_D"] * a["k_ptr"].element_size() + scales, reread=1)
+
+
+DECODE_LOOPS = {"_grouped_decode_kernel": _decode_loop}
+
 COMPILE_SPECS = [
-    dict(kernel=_grouped_decode_kernel,
-         signature={"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-                    "seq_lens_ptr": "*i32", **{n: "i32" for n in (
-                        "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh",
-                        "stride_vs", "H_KV", "D", "n_rep", "split_len")},
-                    "qk_scale": "fp32", "SPLITS": "constexpr", "GROUP": "constexpr", "TILE_N": "constexpr",
-                    "TILE_D": "constexpr"},
-         archs=archs, constexprs=dict(SPLITS=splits, GROUP=16, TILE_N=_grouped_tiles(128, False, archs != (75,)),
-                                      TILE_D=128))
-    for archs in ((80, 90), (75,)) for splits in (1, 8)
+    *(dict(name=f"grouped {dt} {H}/8 splits={n}", archs=(80, 90) if dt == "bf16" else (75, 80, 90), loops=DECODE_LOOPS,
+           launch=lambda dt=dt, H=H, n=n: grouped_decode_attention(*_compile_inputs(dt, H=H), num_splits=n))
+      for dt, H, n in (("fp16", 32, 1), ("fp16", 32, 8), ("fp16", 64, 1), ("fp16", 64, 8), ("bf16", 32, 8),
+                       ("fp32", 32, 8))),
 ]

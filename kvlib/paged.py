@@ -12,8 +12,10 @@ What you will learn:
   prompt's blocks) and freed; writing into a shared block copies it first (copy-on-write);
 - prefix caching: full blocks are identified by a hash of their tokens chained with the hash of
   the block before, so identical prompt prefixes share blocks and skip their prefill;
-- ``paged_decode_attention``: chapter 03's decode kernel with one change — a position's K/V are
-  found through the block table (``_decode_kernel`` with ``PAGED=True``).
+- ``paged_decode_attention``: decode attention with one change — a position's K/V are found through
+  the block table. It runs chapter 07's grouped kernel (``gqa._grouped_decode_kernel`` with
+  ``PAGED=True``; one program per sequence and K/V head, for all the query heads that share it), where
+  ``gqa._kv_offsets`` is the whole change; the block size is a compile-time constant there.
 
 Shapes: q (B, H, D); k_blocks, v_blocks (num_blocks, block_size, H_KV, D); block_tables
 (B, max_blocks) int32, -1 where unused; seq_lens (B,).
@@ -28,7 +30,8 @@ import torch
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
-from .cache import check_attend_args, check_int, launch_decode, pick_kernels
+from .cache import check_attend_args, check_int, pick_kernels
+from .gqa import _DTYPES, DECODE_LOOPS, _compile_inputs, grouped_decode_launch
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_decode_attention",
            "paged_decode_attention_ref", "store_paged", "store_paged_ref"]
@@ -100,7 +103,7 @@ class BlockAllocator:
 
 
 # --------------------------------------------------------------------------------------------
-# paged decode attention: reference and wrapper (the kernel is cache._decode_kernel, PAGED=True)
+# paged decode attention: reference and wrapper (the kernel is gqa._grouped_decode_kernel, PAGED=True)
 # --------------------------------------------------------------------------------------------
 
 
@@ -200,9 +203,8 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_tables, seq_lens, num_sp
     block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
     kv_strides = (k_blocks.stride(0), k_blocks.stride(2), k_blocks.stride(1),  # per block, per head, per slot
                   v_blocks.stride(0), v_blocks.stride(2), v_blocks.stride(1))
-    return launch_decode(q, k_blocks, v_blocks, seq_lens, kv_strides, q.shape[1] // H_KV,
-                         block_tables.shape[1] * block_size, num_splits, block_table=block_tables,
-                         block_size=block_size, longest=longest)
+    return grouped_decode_launch(q, k_blocks, v_blocks, seq_lens, kv_strides, H_KV, num_splits, longest,
+                                 block_table=block_tables, block_size=block_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,19 +254,33 @@ def store_paged_ref(k_blocks, v_blocks, k_new, v_new, slots):
 
 @triton.jit
 def _store_paged_kernel(
-    k_new_ptr, v_new_ptr,  # new rows (N, H_KV, D), contiguous
-    k_pool_ptr, v_pool_ptr,  # pools (num_blocks, block_size, H_KV, D), contiguous
+    k_new_ptr, v_new_ptr,  # new rows (N, H_KV, D), contiguous: row i at i * HD
+    k_pool_ptr, v_pool_ptr,  # pools (num_blocks, block_size, H_KV, D), contiguous: slot s at s * HD
     slots_ptr,  # (N,) destination slot of each new row: block * block_size + offset
-    HD,  # H_KV * D: elements per slot
-    TILE: tl.constexpr,  # elements copied per step (a power of two)
+    N, HD,  # new rows, H_KV * D elements per row (and per slot)
+    TILE_R: tl.constexpr,  # new rows per program
+    TILE: tl.constexpr,  # elements of a row copied per step (a power of two)
 ):
-    row = tl.program_id(0)  # one program per new token
-    slot = tl.load(slots_ptr + row).to(tl.int64)
+    rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)  # (TILE_R,) which new rows
+    row_ok = rows < N
+    # 64-bit offsets: a pool of 2**31 fp16 elements (4 GB) is common
+    src = rows.to(tl.int64) * HD
+    dst = tl.load(slots_ptr + rows, mask=row_ok, other=0).to(tl.int64) * HD
     for start in range(0, HD, TILE):
         offs = start + tl.arange(0, TILE)
-        mask = offs < HD
-        tl.store(k_pool_ptr + slot * HD + offs, tl.load(k_new_ptr + row * HD + offs, mask=mask), mask=mask)
-        tl.store(v_pool_ptr + slot * HD + offs, tl.load(v_new_ptr + row * HD + offs, mask=mask), mask=mask)
+        mask = row_ok[:, None] & (offs < HD)[None, :]
+        k = tl.load(k_new_ptr + src[:, None] + offs[None, :], mask=mask)  # (TILE_R, TILE)
+        tl.store(k_pool_ptr + dst[:, None] + offs[None, :], k, mask=mask)
+        v = tl.load(v_new_ptr + src[:, None] + offs[None, :], mask=mask)
+        tl.store(v_pool_ptr + dst[:, None] + offs[None, :], v, mask=mask)
+
+
+def _store_paged_tiles(HD: int) -> tuple[int, int]:
+    """(TILE_R, TILE): up to 1024 elements of a row per step, about 4096 per tile: 4 rows of H_KV * D = 8 * 128
+    (32 registers on sm_80 and sm_90, 83 / 76 instructions per step copying 16 KB of K and V; one row per
+    program: 60 instructions for 4 KB; 8 rows: 64 registers and 152 instructions)."""
+    TILE = min(1024, triton.next_power_of_2(HD))
+    return max(1, 4096 // TILE), TILE
 
 
 def store_paged(k_blocks, v_blocks, k_new, v_new, slots):
@@ -287,9 +303,10 @@ def store_paged(k_blocks, v_blocks, k_new, v_new, slots):
                                   v_new=v_new, slots=slots):
         return store_paged_ref(k_blocks, v_blocks, k_new, v_new, slots)
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
-    HD = H_KV * D
-    _store_paged_kernel[(k_new.shape[0],)](k_new, v_new, k_blocks, v_blocks, slots, HD,
-                                           TILE=min(1024, triton.next_power_of_2(HD)))
+    N, HD = k_new.shape[0], H_KV * D
+    TILE_R, TILE = _store_paged_tiles(HD)
+    _store_paged_kernel[(triton.cdiv(N, TILE_R),)](k_new, v_new, k_blocks, v_blocks, slots, N, HD, TILE_R=TILE_R,
+                                                   TILE=TILE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -561,10 +578,35 @@ class _PagedBatch:
         return out
 
 
-# How tests/test_compile.py builds the store kernel (the decode kernel is cache._decode_kernel).
+# --------------------------------------------------------------------------------------------
+# How kvlib.compile_check builds the kernels: the wrappers' own launches at a realistic shape
+# --------------------------------------------------------------------------------------------
+
+
+def _paged_inputs(dtype="fp16", H=32, block_size=16, B=2, H_KV=8, S_max=1024, D=128):
+    """q, pools, block tables, seq_lens on the CPU: two ragged sequences of up to S_max positions in blocks
+    handed out in reverse order."""
+    q, k, v, lens = _compile_inputs(dtype, B=B, H=H, H_KV=H_KV, S_max=S_max, D=D)
+    n_blocks = B * S_max // block_size
+    pools = [torch.zeros(n_blocks, block_size, H_KV, D, dtype=q.dtype) for _ in range(2)]
+    tables = torch.arange(n_blocks, dtype=torch.int32).flip(0).view(B, -1).contiguous()
+    return q, pools[0], pools[1], tables, lens
+
+
+def _store_inputs(N, dtype="fp16", block_size=16, H_KV=8, D=128, num_blocks=512):
+    """N new rows scattered over a pool of num_blocks blocks."""
+    pools = [torch.zeros(num_blocks, block_size, H_KV, D, dtype=_DTYPES[dtype]) for _ in range(2)]
+    new = torch.zeros(N, H_KV, D, dtype=_DTYPES[dtype])
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(0))[:N]
+    return pools[0], pools[1], new, new, slots
+
+
 COMPILE_SPECS = [
-    dict(kernel=_store_paged_kernel,
-         signature={"k_new_ptr": "*fp16", "v_new_ptr": "*fp16", "k_pool_ptr": "*fp16", "v_pool_ptr": "*fp16",
-                    "slots_ptr": "*i64", "HD": "i32", "TILE": "constexpr"},
-         constexprs={"TILE": 1024}),
+    *(dict(name=f"paged {dt} {H}/8 bs={bs} splits={n}", archs=(80, 90) if dt == "bf16" else (75, 80, 90),
+           loops=DECODE_LOOPS, launch=lambda dt=dt, H=H, bs=bs, n=n: paged_decode_attention(
+               *_paged_inputs(dt, H=H, block_size=bs), num_splits=n))
+      for dt, H, bs, n in (("fp16", 32, 16, 1), ("fp16", 32, 16, 8), ("fp16", 32, 128, 1), ("fp16", 32, 128, 8),
+                           ("fp16", 64, 16, 8), ("fp16", 32, 1, 8), ("bf16", 32, 16, 8), ("fp32", 32, 16, 8))),
+    dict(name="store_paged 16 tokens", launch=lambda: store_paged(*_store_inputs(16))),
+    dict(name="store_paged 4096 tokens", launch=lambda: store_paged(*_store_inputs(4096))),
 ]

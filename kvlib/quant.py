@@ -8,8 +8,12 @@ What you will learn:
   tuple, or None for the whole tensor), so every granularity is one call;
 - a cache that quantizes on store (one scale per cached row: per token and head) halves the bytes of
   an fp16 cache (plus one fp16 scale, 2 bytes, per D numbers);
-- the decode kernel reads int8 and never dequantizes an element on its own: K's per-row scale
-  multiplies the row's score, V's multiplies the row's probability (``_decode_kernel``, INT8=True).
+- the decode kernel reads int8 and never builds a dequantized copy: K's per-row scale multiplies the
+  row's score, V's multiplies the row's probability (chapter 07's grouped kernel,
+  ``gqa._grouped_decode_kernel`` with ``INT8=True``; the int8 values become the query's dtype, exactly,
+  for its ``tl.dot``);
+- quantize-on-store: ``store_kv_int8`` quantizes a tile of new rows per program, each row with its
+  own scale.
 
 Shapes: cache values (B, H_KV, S_max, D) int8; scales (B, H_KV, S_max) fp16 (or fp32).
 """
@@ -23,7 +27,8 @@ import torch
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref
-from .cache import KVCache, _check_cache_args, _check_store_args, decode_attention_ref, launch_decode
+from .cache import KVCache, _check_cache_args, _check_store_args, decode_attention_ref
+from .gqa import DECODE_LOOPS, _compile_inputs, grouped_decode_launch
 
 __all__ = ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
            "store_kv_int8", "store_kv_int8_ref", "Int8KVCache", "quality_report"]
@@ -87,7 +92,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
 
 
 # --------------------------------------------------------------------------------------------
-# int8 decode attention: reference and wrapper (the kernel is cache._decode_kernel, INT8=True)
+# int8 decode attention: reference and wrapper (the kernel is gqa._grouped_decode_kernel, INT8=True)
 # --------------------------------------------------------------------------------------------
 
 
@@ -162,8 +167,8 @@ def int8_decode_attention(q, k_q, k_scale, v_q, v_scale, seq_lens, num_splits=No
                                   v_scale=v_scale, seq_lens=seq_lens):
         return int8_decode_attention_ref(q, k_q, k_scale, v_q, v_scale, seq_lens)
     kv_strides = (k_q.stride(0), k_q.stride(1), k_q.stride(2), v_q.stride(0), v_q.stride(1), v_q.stride(2))
-    return launch_decode(q, k_q, v_q, seq_lens, kv_strides, q.shape[1] // k_q.shape[1], k_q.shape[2], num_splits,
-                         block_table=None, block_size=1, k_scale=k_scale, v_scale=v_scale, longest=longest)
+    return grouped_decode_launch(q, k_q, v_q, seq_lens, kv_strides, k_q.shape[1], num_splits, longest,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,31 +203,57 @@ def store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
 
 
 @triton.jit
-def _store_int8_kernel(
-    new_ptr,  # new rows (B, H_KV, T, D), contiguous, fp16/fp32
-    q_ptr, scale_ptr,  # int8 cache (B, H_KV, S_max, D) and its scales (B, H_KV, S_max), contiguous
-    start_ptr,  # (B,) first position to write for each sequence
-    H_KV, T, S_max, D,
-    TILE_D: tl.constexpr,  # head dim padded to a power of two
-):
-    pid = tl.program_id(0)  # one program per new row: (b, h, t)
-    t = pid % T
-    bh = pid // T
-    b = bh // H_KV
-    dims = tl.arange(0, TILE_D)
-    x = tl.load(new_ptr + pid * D + dims, mask=dims < D, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
+def _quantize_store(new_ptr, q_ptr, scale_ptr, src, dst, dims, mask, row_ok, D):
+    """Quantize a tile of new rows (ROWS, TILE_D) and write each to its cache row with its scale.
+
+    src: (ROWS,) offset of each new row; dst: (ROWS,) its cache row (values at dst * D, scale at dst)."""
+    x = tl.load(new_ptr + src[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (ROWS, TILE_D)
+    amax = tl.max(tl.abs(x), axis=1)  # (ROWS,) one scale per row, computed in the tile
     scale = tl.where(amax > 0, amax / 127.0, 1.0)
-    y = x / scale
+    y = x / scale[:, None]
     q = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))  # round half away from zero
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    row = bh * S_max + tl.load(start_ptr + b) + t  # the cache row this token goes to
-    tl.store(q_ptr + row * D + dims, q.to(tl.int8), mask=dims < D)
-    tl.store(scale_ptr + row, scale.to(scale_ptr.dtype.element_ty))
+    tl.store(q_ptr + dst[:, None] * D + dims[None, :], q.to(tl.int8), mask=mask)
+    tl.store(scale_ptr + dst, scale.to(scale_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _store_int8_kernel(
+    k_new_ptr, v_new_ptr,  # new rows (B, H_KV, T, D) fp32/fp16/bf16, one layout, D stride 1
+    k_q_ptr, v_q_ptr,  # int8 caches (B, H_KV, S_max, D), contiguous
+    k_scale_ptr, v_scale_ptr,  # their scales (B, H_KV, S_max), contiguous
+    start_ptr,  # (B,) first position to write for each sequence
+    stride_nb, stride_nh, stride_nt,  # strides of k_new / v_new
+    H_KV, T, S_max, D, n_rows,  # n_rows = B * H_KV * T new rows
+    TILE_R: tl.constexpr,  # new rows per program
+    TILE_D: tl.constexpr,  # head dim padded to a power of two
+):
+    r = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)  # (TILE_R,) new rows, numbered in (b, h, t) order
+    row_ok = r < n_rows
+    t = r % T
+    bh = r // T
+    b = bh // H_KV
+    h = bh % H_KV
+    start = tl.load(start_ptr + b, mask=row_ok, other=0)
+    # 64-bit offsets: a cache of B * H_KV * S_max * D >= 2**31 int8 values is only 2 GB
+    src = b.to(tl.int64) * stride_nb + h.to(tl.int64) * stride_nh + t.to(tl.int64) * stride_nt
+    dst = bh.to(tl.int64) * S_max + start + t  # the cache row (b, h, start[b] + t)
+    dims = tl.arange(0, TILE_D)
+    mask = row_ok[:, None] & (dims[None, :] < D)
+    _quantize_store(k_new_ptr, k_q_ptr, k_scale_ptr, src, dst, dims, mask, row_ok, D)
+    _quantize_store(v_new_ptr, v_q_ptr, v_scale_ptr, src, dst, dims, mask, row_ok, D)
+
+
+def _store_int8_tile_r(TILE_D: int) -> int:
+    """New rows per program: 4096 elements per tile, 32 rows of D = 128 (56 registers on sm_80 and sm_90,
+    63 on sm_75; 64 rows take 71 on sm_90, 128 rows 116), so a decode step's B·H_KV rows take a handful
+    of programs instead of one 4-warp program per 128-element row."""
+    return max(1, 4096 // TILE_D)
 
 
 def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
-    """Quantize-on-store with the Triton kernel: one program per new row, scale = absmax / 127.
+    """Quantize-on-store with the Triton kernel: each program quantizes a tile of new rows (K and V), each
+    row with its own scale = absmax / 127.
 
     k_q, v_q (B, H_KV, S_max, D) int8 and their scales (B, H_KV, S_max) fp16/fp32, all contiguous;
     k_new, v_new (B, H_KV, T, D) fp32/fp16/bf16; start (B,) int.
@@ -245,9 +276,14 @@ def store_kv_int8(k_q, k_scale, v_q, v_scale, k_new, v_new, start):
     if not runtime.require_triton("quant.store_kv_int8", k_q=k_q, k_scale=k_scale, v_q=v_q, v_scale=v_scale,
                                   k_new=k_new, v_new=v_new, start=start):
         return store_kv_int8_ref(k_q, k_scale, v_q, v_scale, k_new, v_new, start)
+    if k_new.stride(3) != 1 or v_new.stride() != k_new.stride():  # the kernel reads both with one set of strides
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
     TILE_D = max(16, triton.next_power_of_2(D))
-    for new, cq, cs in ((k_new, k_q, k_scale), (v_new, v_q, v_scale)):
-        _store_int8_kernel[(B * H_KV * T,)](new.contiguous(), cq, cs, start, H_KV, T, k_q.shape[2], D, TILE_D=TILE_D)
+    TILE_R = _store_int8_tile_r(TILE_D)
+    n_rows = B * H_KV * T
+    _store_int8_kernel[(triton.cdiv(n_rows, TILE_R),)](
+        k_new, v_new, k_q, v_q, k_scale, v_scale, start, k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        H_KV, T, k_q.shape[2], D, n_rows, TILE_R=TILE_R, TILE_D=TILE_D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,15 +340,6 @@ class Int8KVCache(KVCache):
         return out
 
 
-# How tests/test_compile.py builds the quantize-on-store kernel (the decode kernel is cache._decode_kernel).
-COMPILE_SPECS = [
-    dict(kernel=_store_int8_kernel,
-         signature={"new_ptr": "*fp16", "q_ptr": "*i8", "scale_ptr": "*fp16", "start_ptr": "*i32",
-                    "H_KV": "i32", "T": "i32", "S_max": "i32", "D": "i32", "TILE_D": "constexpr"},
-         constexprs={"TILE_D": 128}),
-]
-
-
 @torch.no_grad()
 def quality_report(model, ids, n_tokens: int = 200) -> dict:
     """Teacher-forced comparison of the int8 cache with a full-precision cache on a text ``ids``.
@@ -343,3 +370,34 @@ def quality_report(model, ids, n_tokens: int = 200) -> dict:
         "bytes_full": caches["full"].nbytes(),
         "bytes_int8": caches["int8"].nbytes(),
     }
+
+
+# --------------------------------------------------------------------------------------------
+# How kvlib.compile_check builds the kernels: the wrappers' own launches at a realistic shape
+# --------------------------------------------------------------------------------------------
+
+
+def _int8_inputs(q_dtype="fp16", H=32, B=2, H_KV=8, S_max=1024, D=128):
+    """q, int8 caches and fp16 scales, seq_lens on the CPU (two ragged sequences)."""
+    q, k, v, lens = _compile_inputs(q_dtype, B=B, H=H, H_KV=H_KV, S_max=S_max, D=D)
+    k_q, v_q = (torch.zeros(B, H_KV, S_max, D, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = (torch.ones(B, H_KV, S_max, dtype=torch.float16) for _ in range(2))
+    return q, k_q, k_scale, v_q, v_scale, lens
+
+
+def _store_inputs(T, B=2, H_KV=8, S_max=1024, D=128):
+    """int8 caches and fp16 scales, T new fp16 rows per sequence written at ragged positions."""
+    k_q, v_q = (torch.zeros(B, H_KV, S_max, D, dtype=torch.int8) for _ in range(2))
+    k_scale, v_scale = (torch.ones(B, H_KV, S_max, dtype=torch.float16) for _ in range(2))
+    new = torch.zeros(B, H_KV, T, D, dtype=torch.float16)
+    return k_q, k_scale, v_q, v_scale, new, new, torch.tensor([S_max - T - 5, 7][:B], dtype=torch.int32)
+
+
+COMPILE_SPECS = [
+    *(dict(name=f"int8 {dt} query {H}/8 splits={n}", archs=(80, 90) if dt == "bf16" else (75, 80, 90),
+           loops=DECODE_LOOPS,
+           launch=lambda dt=dt, H=H, n=n: int8_decode_attention(*_int8_inputs(dt, H=H), num_splits=n))
+      for dt, H, n in (("fp16", 32, 1), ("fp16", 32, 8), ("fp16", 64, 8), ("bf16", 32, 8), ("fp32", 32, 8))),
+    dict(name="store_kv_int8 1 token", launch=lambda: store_kv_int8(*_store_inputs(1))),
+    dict(name="store_kv_int8 512 tokens", launch=lambda: store_kv_int8(*_store_inputs(512))),
+]

@@ -73,16 +73,21 @@ def contiguous_copy(k_blocks, tables, lens, S_max):
     return out
 
 
+# (block_size, H, H_KV, num_splits): block sizes below a tile (1, 2: one table entry per position, the
+# slots' offsets fixed), not dividing it (5, 48), a multiple of it (64: one entry per tile); groups of 1, 2, 4, 8
+PAGED_CASES = [(1, 4, 4, 1), (1, 8, 1, 4), (2, 8, 4, 2), (2, 8, 2, 1), (5, 4, 1, 4), (5, 8, 2, 2),
+               (16, 8, 2, 4), (16, 8, 8, 1), (16, 16, 2, 2), (48, 8, 4, 2), (64, 8, 2, 1), (64, 8, 1, 4)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("block_size", [1, 5, 16])
-@pytest.mark.parametrize("H, H_KV", [(4, 4), (8, 2), (4, 1)])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("block_size, H, H_KV, num_splits", PAGED_CASES)
 def test_paged_decode_matches_contiguous_reference(dtype, block_size, H, H_KV, num_splits):
-    B, D, lens = 3, 32, [1, 37, 64]
+    B, D, lens = 3, 48, [1, 37, 130]  # ragged: one position, a partly filled last block; D not a power of two
+    S_max = max(lens)
     k, v, tables = scattered_pool(B, H_KV, D, lens, block_size, dtype, seed=block_size)
     q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(0)).to(dtype).to(runtime.DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=runtime.DEVICE)
-    expected = decode_attention_ref(q, contiguous_copy(k, tables, lens, 64), contiguous_copy(v, tables, lens, 64),
+    expected = decode_attention_ref(q, contiguous_copy(k, tables, lens, S_max), contiguous_copy(v, tables, lens, S_max),
                                     seq_lens)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     ref = paged_decode_attention_ref(q, k, v, tables, seq_lens)
@@ -91,13 +96,29 @@ def test_paged_decode_matches_contiguous_reference(dtype, block_size, H, H_KV, n
     assert (out.float() - expected.float()).abs().max() <= tol
 
 
-def test_store_paged_matches_reference():
-    k = torch.zeros(6, 4, 2, 8, device=runtime.DEVICE)
+def test_paged_decode_reads_strided_pools():
+    """Pools that are views (every other block of a larger pool, K and V with different strides) give the
+    same answer: the kernel takes each pool's own block, slot and head strides."""
+    B, H, H_KV, D, lens, bs = 2, 8, 2, 32, [50, 17], 16
+    k, v, tables = scattered_pool(B, H_KV, D, lens, bs, torch.float32, seed=3)
+    wide_k = torch.zeros(2 * k.shape[0], bs, H_KV, D, device=runtime.DEVICE)
+    wide_k[::2] = k
+    v_t = v.transpose(1, 2).contiguous().transpose(1, 2)  # (num_blocks, bs, H_KV, D) with slots not outermost
+    q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(1)).to(runtime.DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=runtime.DEVICE)
+    out = paged_decode_attention(q, wide_k[::2], v_t, tables, seq_lens, num_splits=2)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, seq_lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("H_KV, D, N", [(2, 8, 5), (4, 64, 37), (2, 600, 3)])  # one tile; 3 tiles, the last partial;
+def test_store_paged_matches_reference(H_KV, D, N):  # rows longer than a step (H_KV * D = 1200 > 1024)
+    g = torch.Generator().manual_seed(N)
+    k = torch.zeros(12, 4, H_KV, D, device=runtime.DEVICE)
     v = torch.zeros_like(k)
     k2, v2 = k.clone(), v.clone()
-    new_k = torch.randn(5, 2, 8, device=runtime.DEVICE)
-    new_v = torch.randn(5, 2, 8, device=runtime.DEVICE)
-    slots = torch.tensor([0, 7, 23, 12, 5], device=runtime.DEVICE)
+    new_k = torch.randn(N, H_KV, D, generator=g).to(runtime.DEVICE)
+    new_v = torch.randn(N, H_KV, D, generator=g).to(runtime.DEVICE)
+    slots = torch.randperm(48, generator=g)[:N].to(runtime.DEVICE)
     store_paged(k, v, new_k, new_v, slots)
     store_paged_ref(k2, v2, new_k, new_v, slots)
     assert torch.equal(k, k2) and torch.equal(v, v2)

@@ -311,7 +311,10 @@ def _to_blocks(k, block_size, perm):
 
 
 def paged(ctx: Ctx) -> Iterator[Point]:
-    from ..cache import decode_attention, decode_attention_ref
+    """The paged decode against the same kernel over a contiguous cache (both one program per K/V head and
+    its query group, kvlib.gqa): what the block table costs, nothing else."""
+    from ..cache import decode_attention_ref
+    from ..gqa import grouped_decode_attention
     from ..paged import paged_decode_attention, paged_decode_attention_ref
 
     block_sizes = (1, 16, 128)
@@ -325,7 +328,7 @@ def paged(ctx: Ctx) -> Iterator[Point]:
             gen = torch.Generator(device=ctx.device).manual_seed(0)
             ks = {}
             if ctx.gpu:
-                ks["contiguous decode"] = Kernel(lambda: decode_attention(q, k, v, lens), True, nbytes)
+                ks["contiguous decode"] = Kernel(lambda: grouped_decode_attention(q, k, v, lens), True, nbytes)
             else:
                 ks["decode_attention_ref"] = Kernel(lambda: decode_attention_ref(q, k, v, lens), False, nbytes)
             for bs in block_sizes:
@@ -368,7 +371,10 @@ def _int8_kv(ctx, B, H_KV, S, D, dtype, gen):
 
 
 def int8(ctx: Ctx) -> Iterator[Point]:
-    from ..cache import decode_attention, decode_attention_ref
+    """The int8 decode against the same kernel reading fp16 (both one program per K/V head and its query
+    group, kvlib.gqa), and against dequantizing first: what halving the bytes buys, nothing else."""
+    from ..cache import decode_attention_ref
+    from ..gqa import grouped_decode_attention
     from ..quant import dequantize_int8, int8_decode_attention, int8_decode_attention_ref
 
     def point(H, H_KV, D, B, S, dtype, timed):
@@ -382,14 +388,14 @@ def int8(ctx: Ctx) -> Iterator[Point]:
             b8 = _kv_bytes(B, H_KV, S, D, 1) + 2 * ks.nbytes + 2 * q.nbytes
             deq = b8 + 2 * b16  # read int8 + scales, write the fp16 copy, read it again
             if ctx.gpu or not timed:
-                fp16 = lambda: decode_attention(q, k, v, lens)  # noqa: E731
+                fp16 = lambda: grouped_decode_attention(q, k, v, lens)  # noqa: E731
                 fused = lambda: int8_decode_attention(q, kq, ks, vq, vs, lens)  # noqa: E731
                 name16 = f"{_dt(dtype)} decode"
             else:
                 fp16 = lambda: decode_attention_ref(q, k, v, lens)  # noqa: E731
                 fused = lambda: int8_decode_attention_ref(q, kq, ks, vq, vs, lens)  # noqa: E731
                 name16 = f"{_dt(dtype)} decode_attention_ref"
-            two_step = lambda: decode_attention(  # noqa: E731
+            two_step = lambda: grouped_decode_attention(  # noqa: E731
                 q, dequantize_int8(kq, ks[..., None], dtype), dequantize_int8(vq, vs[..., None], dtype), lens)
             ks_ = {name16: Kernel(fp16, ctx.gpu or not timed, b16),
                    ("int8 decode (fused dequant)" if ctx.gpu or not timed else "int8_decode_attention_ref"):
