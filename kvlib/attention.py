@@ -232,7 +232,18 @@ def dot_on_tensor_cores(dtype: torch.dtype, device) -> bool:
     return cap is None or cap >= (8, 0)
 
 
-def _tiles(D: int, interpreter: bool, tensor_cores: bool = True):
+def _triton_at_least(major: int, minor: int) -> bool:
+    version = getattr(triton, "__version__", "0.0")  # the stand-in (no Triton) has none
+    try:
+        return tuple(int(x) for x in version.split(".")[:2]) >= (major, minor)
+    except ValueError:
+        return False
+
+
+_TRITON_39 = _triton_at_least(3, 9)
+
+
+def _tiles(D: int, interpreter: bool, tensor_cores: bool = True, hopper: bool = False):
     """Default launch configuration for a padded head dim D: (TILE_M, TILE_N, num_warps, num_stages).
 
     Chosen with ``python -m kvlib.compile_check --module attention``, which builds the kernel as the JIT
@@ -265,18 +276,39 @@ def _tiles(D: int, interpreter: bool, tensor_cores: bool = True):
       64 x 16 x 8 warps spill on sm_90 in fp32.)
     - D = 256: 16 x 16, 4 warps, 2 stages (32 x 16 spills on a T4 in fp16).
 
+    The JIT builds another kernel when T and S are not multiples of 16 (most prompts): with T = S = 1001,
+    128 x 64 at D <= 128 takes 255 registers and spills 40 B on sm_80 (Triton 3.9), so below sm_90 the
+    default there is 128 x 32 x 8 warps x 2 stages: 200 registers, no spill, 1.18 per 1,000 FLOPs, with T
+    either way (sm_90 keeps 128 x 64: 184 registers, no spill, 0.71). The compile check builds both.
+
+    Triton before 3.9 allocates registers for this kernel far worse (built the same way with Triton 3.6):
+    128 x 128 at D <= 64 spills 216 B/thread on sm_90 and 128 x 64 at D <= 128 spills 184 B, so with an
+    older Triton the tensor-core defaults are 128 x 64 x 8 warps x 2 stages at D <= 64 (3.6: 240 / 191
+    registers on sm_80 / sm_90, no spill, 1.55 / 1.34 per 1,000 FLOPs) and 128 x 32 x 8 warps x 2 stages
+    at D <= 128 (3.6: 255 / 213 registers, no spill, 1.41 / 1.23).
+
+    On FMA units Triton 3.6 spills 360-500 B/thread on a T4 with the tiles above (and 416 B with the old
+    16 x 16 x 4 warps at D = 128), so before 3.9 they are 32 x 32 x 8 warps x 1 stage at D <= 64 (T4, 3.6:
+    223 registers, no spill, 24.3 per 1,000 FLOPs) and 16 x 16 x 8 warps x 2 stages above (206, 28.6).
+
     ``tests/test_compile.py`` rebuilds the defaults with whichever Triton is installed and fails on a spill.
     """
     if interpreter:  # fewer, larger programs run faster in the interpreter (which ignores warps and stages)
         return 32, 32, 4, 1
     if not tensor_cores:
+        if not _TRITON_39:  # Triton 3.6 spills 360-500 B/thread on a T4 with the tiles below; these do not
+            return (32, 32, 8, 1) if D <= 64 else (16, 16, 8, 2)
         if D <= 64:
             return 64, 32, 8, 2
         if D <= 128:
             return 32, 16, 4, 2
         return 16, 16, 4, 2
+    if not _TRITON_39:
+        return (128, 64, 8, 2) if D <= 64 else (128, 32, 8, 2) if D <= 128 else (64, 32, 8, 3)
     if D <= 64:
         return 128, 128, 8, 3
+    if D <= 128 and not hopper:  # 128 x 64 spills 40 B on sm_80 when T and S are not multiples of 16
+        return 128, 32, 8, 2
     if D <= 128:
         return 128, 64, 8, 3
     return 64, 32, 8, 3
@@ -301,8 +333,9 @@ def flash_attention(q, k, v, causal=True):
     S = k.shape[2]
     out = torch.empty_like(q)
     TILE_D = max(16, triton.next_power_of_2(D))
-    TILE_M, TILE_N, num_warps, num_stages = _tiles(TILE_D, runtime.INTERPRETER,
-                                                   dot_on_tensor_cores(q.dtype, q.device))
+    cap = runtime.capability(q.device)
+    TILE_M, TILE_N, num_warps, num_stages = _tiles(TILE_D, runtime.INTERPRETER, dot_on_tensor_cores(q.dtype, q.device),
+                                                   hopper=cap is not None and cap >= (9, 0))
     grid = (triton.cdiv(T, TILE_M), B * H)
     _flash_attention_kernel[grid](
         q, k, v, out, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
@@ -312,14 +345,14 @@ def flash_attention(q, k, v, causal=True):
     return out
 
 
-def _compile_launch(dtype: torch.dtype, D: int, causal: bool = True):
+def _compile_launch(dtype: torch.dtype, D: int, causal: bool = True, T: int = 256):
     """A zero-argument launch for ``kvlib.compile_check``: flash_attention on CPU tensors shaped like a model's
-    (B=2, H=32 query heads sharing H_KV=8 K/V heads, T=S=256; views of (B, T, H, D) buffers, as
+    (B=2, H=32 query heads sharing H_KV=8 K/V heads, T=S=256 or 1001; views of (B, T, H, D) buffers, as
     ``kvlib.model`` makes them: strides of H*D, D and 1). compile_check records the launch instead of
-    running it, so the values never matter; every stride and size is a multiple of 16, as in real
-    models, so the JIT specialises them exactly as it would there."""
+    running it, so the values never matter, only which sizes the JIT sees as multiples of 16: at T = 256
+    all of them, at T = 1001 (a typical prompt) not T and S, which builds another kernel."""
     def launch():
-        B, H, H_KV, T = 2, 32, 8, 256
+        B, H, H_KV = 2, 32, 8
         q = torch.empty(B, T, H, D, dtype=dtype).transpose(1, 2)  # (B, H, T, D)
         k = torch.empty(B, T, H_KV, D, dtype=dtype).transpose(1, 2)  # (B, H_KV, S, D)
         v = torch.empty(B, T, H_KV, D, dtype=dtype).transpose(1, 2)
@@ -339,16 +372,18 @@ def _loop_work(a: dict) -> dict:
 # dims and dtypes of real models, with the tiles it picks on sm_80/sm_90 (tensor cores) and on a T4
 # (sm_75: FMA units, no bf16). `loops` says how much work one iteration of the steady-state loop does.
 COMPILE_SPECS = [
-    dict(name=f"prefill {name} D={D} {'causal' if causal else 'full'}",
-         launch=_compile_launch(dtype, D, causal), archs=archs, loops={"_flash_attention_kernel": _loop_work})
-    for name, dtype, D, causal, archs in [
-        ("fp16", torch.float16, 64, True, (80, 90)),
-        ("fp16", torch.float16, 128, True, (80, 90)),
-        ("fp16", torch.float16, 128, False, (80, 90)),
-        ("bf16", torch.bfloat16, 128, True, (80, 90)),
-        ("fp32", torch.float32, 64, True, (80, 90)),
-        ("fp16", torch.float16, 64, True, (75,)),
-        ("fp16", torch.float16, 128, True, (75,)),
-        ("fp32", torch.float32, 64, True, (75,)),
+    dict(name=f"prefill {name} D={D} {'causal' if causal else 'full'}{'' if T == 256 else f' T={T}'}",
+         launch=_compile_launch(dtype, D, causal, T), archs=archs, loops={"_flash_attention_kernel": _loop_work})
+    for name, dtype, D, causal, archs, T in [
+        ("fp16", torch.float16, 64, True, (80, 90), 256),
+        ("fp16", torch.float16, 64, True, (80, 90), 1001),
+        ("fp16", torch.float16, 128, True, (80, 90), 256),
+        ("fp16", torch.float16, 128, True, (80, 90), 1001),
+        ("fp16", torch.float16, 128, False, (80, 90), 256),
+        ("bf16", torch.bfloat16, 128, True, (80, 90), 1001),
+        ("fp32", torch.float32, 64, True, (80, 90), 1001),
+        ("fp16", torch.float16, 64, True, (75,), 256),
+        ("fp16", torch.float16, 128, True, (75,), 1001),
+        ("fp32", torch.float32, 64, True, (75,), 1001),
     ]
 ]

@@ -61,12 +61,12 @@ MAX_SHARED = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232
 DEFAULT_ARCHS = (75, 80, 90)  # T4 (free Colab), A100, H100/H200
 
 # The GPU each architecture stands for in the predictions: multiprocessors, boost clock (GHz), memory
-# bandwidth (TB/s) and dense fp16 tensor-core peak (TFLOP/s), from NVIDIA's datasheets (T4; A100 80GB SXM;
+# bandwidth (TB/s), dense fp16 tensor-core peak and FP32 peak (TFLOP/s), from NVIDIA's datasheets (T4; A100 80GB SXM;
 # H200 SXM). Each multiprocessor has 4 schedulers, each issuing one warp instruction per clock.
 GPUS = {
-    75: dict(name="T4", sms=40, ghz=1.59, tbps=0.32, fp16_tflops=65),
-    80: dict(name="A100-SXM4-80GB", sms=108, ghz=1.41, tbps=2.039, fp16_tflops=312),
-    90: dict(name="H200-SXM", sms=132, ghz=1.98, tbps=4.8, fp16_tflops=989),
+    75: dict(name="T4", sms=40, ghz=1.59, tbps=0.32, fp16_tflops=65, fp32_tflops=8.1),
+    80: dict(name="A100-SXM4-80GB", sms=108, ghz=1.41, tbps=2.039, fp16_tflops=312, fp32_tflops=19.5),
+    90: dict(name="H200-SXM", sms=132, ghz=1.98, tbps=4.8, fp16_tflops=989, fp32_tflops=67),
 }
 SCHEDULERS_PER_SM = 4
 
@@ -143,7 +143,13 @@ def jit_compile(kernel, args, kwargs, arch: int):
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = triton_jit.create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(kwargs, debug=kwargs.get("debug", False))
+    from triton import knobs
+
+    kwargs = dict(kwargs)  # as JITFunction.run sets them before binding
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, name):
+            kwargs[name] = getattr(knobs.compilation, name)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
@@ -220,56 +226,98 @@ def sass_loops(sass: str) -> list[dict]:
     return out
 
 
+# 32-bit products the rule below flags that are bounded by what they compute (TTIR names follow the source's
+# variable names): (pattern, why it cannot pass 2**31).
+BOUNDED_I32 = [
+    (r"^%start\w* = arith\.muli %split\w*, %split_len\w* : i32$",
+     "the first position of a split-K slice: below the sequence's length"),
+    (r"^%\w+ = arith\.muli %H_KV\w*, %n_rep\w* : i32$", "query heads: H_KV x n_rep = H"),
+]
+
+
 def i32_stride_products(ttir: str) -> list[str]:
-    """TTIR lines that compute an offset in 32 bits that can pass 2³¹: an ``arith.muli`` of i32 (scalar or
-    tensor) with a stride argument (``%stride_*``) as an operand, or of a value computed from the program id
-    with any integer argument (a size standing in for a stride, as in ``kv_row * S_q``). Values are followed
-    through splat, broadcast, expand_dims and (for the program id) any arithmetic."""
-    header = ttir[ttir.index("tt.func"):] if "tt.func" in ttir else ttir
-    header = header[:header.index("{\n")] if "{\n" in header else header.split("\n", 1)[0]
-    args = set(re.findall(r"(%\w+): i32", header))
+    """TTIR lines that compute an offset in 32 bits that can pass 2³¹: an ``arith.muli`` or ``arith.shli`` of
+    i32 (scalar or tensor) with
+
+    - a stride (a ``%stride_*`` argument, or a value computed from strides) as an operand, or
+    - two operands that are both unbounded at compile time: integer arguments (sizes standing in for
+      strides, as in ``kv_row * S_q``), program ids, loaded values (block tables, lengths), loop
+      variables and values computed from these (``pid * n``, ``loaded_slot * D``, ``pos0 * D``).
+
+    Values are followed through every i32 operation, splat, broadcast, expand_dims, loop variables and
+    loop-carried values. Not flagged: a product with a compile-time constant (``pid_m * TILE_M``, bounded
+    by the length of one dimension, which would itself have to pass 2³¹), and the products ``BOUNDED_I32``
+    names with the reason they are bounded."""
+    args = set(re.findall(r"(%\w+): i32", ttir))  # integer arguments of every function in the module
     strides = {a for a in args if a.startswith("%stride")}
-    from_pid = set()
+    unbounded = set(args)
     bad = []
     for line in ttir.splitlines():
         text = line.strip().split(" loc(")[0]
-        m = re.match(r"(%[\w#]+)\s*=\s*([\w.]+)\s*(.*)", text)
+        m = re.match(r"(%[\w#]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)", text)
         if not m:
             continue
         result, op, rest = m.groups()
-        body, _, types = rest.rpartition(" : ") if " : " in rest else (rest, "", "")
-        operands = set(re.findall(r"%[\w#]+", body))
-        is_i32 = re.search(r"\bi32\b|xi32>", types.split("->")[-1].split(" to ")[-1]) is not None
-        if op == "tt.get_program_id":
-            from_pid.add(result)
+        if op == "scf.for":  # the induction variable and iter_args come from bounds and initial values
+            iv = re.match(r"(%[\w#]+)\s*=\s*(%[\w#]+) to (%[\w#]+)", rest)
+            inits = re.findall(r"(%[\w#]+) = (%[\w#]+)", rest.split("iter_args", 1)[1]) if "iter_args" in rest else []
+            if iv and {iv.group(2), iv.group(3)} & unbounded:
+                unbounded.add(iv.group(1))
+            for name, init in inits:
+                if init in unbounded:
+                    unbounded.add(name)
+            unbounded.add(result) if {i for _, i in inits} & unbounded else None
             continue
-        if op == "arith.muli" and is_i32 and (operands & strides or (operands & from_pid and operands & args)):
-            bad.append(text)
+        body, _, types = rest.rpartition(" : ") if " : " in rest else (rest, "", "")
+        operands = re.findall(r"%[\w#]+", body)
+        out_type = types.split("->")[-1].split(" to ")[-1]
+        is_i32 = re.search(r"\bi32\b|xi32>", out_type) is not None
+        if op in ("arith.muli", "arith.shli") and is_i32 and len(operands) == 2:
+            a, b = operands
+            if (a in strides or b in strides or (a in unbounded and b in unbounded)) and not any(
+                    re.match(pattern, text) for pattern, _ in BOUNDED_I32):
+                bad.append(text)
         if not is_i32:
             continue
-        if op in ("tt.splat", "tt.broadcast", "tt.expand_dims"):
-            if operands & strides:
+        if op in ("tt.get_program_id", "tt.get_num_programs", "tt.load", "arith.trunci"):
+            unbounded.add(result)
+        elif set(operands) & unbounded:
+            unbounded.add(result)
+            if set(operands) & strides:
                 strides.add(result)
-            if operands & args:
-                args.add(result)
-        if operands & from_pid:
-            from_pid.add(result)
     return bad
 
 
+# Cycles one warp instruction holds its pipe on one scheduler: an FP32 instruction on sm_75/sm_80 (16 FP32
+# lanes per scheduler; 32 on sm_90), an SFU instruction (exp2, reciprocal: 4 lanes per scheduler) anywhere.
+FP32_OPS = ("FFMA", "FADD", "FMUL")
+FP32_CYCLES = {75: 2, 80: 2, 90: 1}
+SFU_CYCLES = 8
+
+
 def ceiling(row: dict, per_iter: dict, arch: int) -> dict:
-    """Issue-limited ceilings of the chosen loop: unique K/V bytes per second and FLOP/s."""
+    """Ceilings of the chosen loop from its instruction mix: unique K/V bytes per second and FLOP/s.
+
+    One iteration of the program holds each scheduler for the largest of: its instruction count (one
+    issue per clock), its FP32 instructions times FP32_CYCLES, its SFU (MUFU) instructions times SFU_CYCLES.
+    ``limit`` names which."""
     loops = row["loops"]
     if not loops:
         return {}
     pick = per_iter.get("loop")
     loop = loops[pick] if pick is not None and pick < len(loops) else max(loops, key=lambda lp: lp["instructions"])
-    warp_instructions = row["num_warps"] * loop["instructions"]  # one iteration of the whole program
-    iterations_per_s = issue_rate(arch) / warp_instructions
-    out = dict(loop_instructions=loop["instructions"], warps=row["num_warps"])
+    ops = loop["opcodes"]
+    cycles = {"instruction issue": loop["instructions"],
+              "FP32 pipe": sum(ops.get(o, 0) for o in FP32_OPS) * FP32_CYCLES.get(arch, 1),
+              "SFU (exp2)": ops.get("MUFU", 0) * SFU_CYCLES}
+    limit = max(cycles, key=cycles.get)
+    warp_cycles = row["num_warps"] * cycles[limit]  # scheduler cycles of one iteration of the whole program
+    iterations_per_s = issue_rate(arch) / warp_cycles
+    out = dict(loop_instructions=loop["instructions"], warps=row["num_warps"], limit=limit,
+               tensor_cores=bool(ops.get("HMMA") or ops.get("HGMMA")))
     if per_iter.get("bytes"):
         out.update(bytes_per_iter=per_iter["bytes"], reread=per_iter.get("reread", 1),
-                   instructions_per_kb=round(warp_instructions / (per_iter["bytes"] / 1024), 1),
+                   instructions_per_kb=round(row["num_warps"] * loop["instructions"] / (per_iter["bytes"] / 1024), 1),
                    issue_tbps=round(iterations_per_s * per_iter["bytes"] / per_iter.get("reread", 1) / 1e12, 2))
     if per_iter.get("flops"):
         out.update(flops_per_iter=per_iter["flops"],
@@ -407,18 +455,19 @@ PREDICTED_COMMAND = ("TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compil
 
 
 def predicted(row: dict, arch: int) -> dict | None:
-    """A row's predicted speed: the lower of its issue ceiling and the datasheet's memory bandwidth (or
-    tensor-core peak), and which of the two binds."""
+    """A row's ceiling: the lower of what its loop's instruction mix allows and the datasheet's memory
+    bandwidth (for prefill: its dense fp16 tensor-core peak when the loop runs on tensor cores, else its FP32
+    peak), and which of them binds."""
     c = row.get("ceiling") or {}
     g = GPUS[arch]
     if "issue_tflops" in c:
-        peak = g["fp16_tflops"] if row.get("dtype") in ("float16", "bfloat16") else None
-        if peak is None or c["issue_tflops"] < peak:
-            return dict(value=c["issue_tflops"], unit="TFLOP/s", bound="instruction issue")
-        return dict(value=peak, unit="TFLOP/s", bound="tensor cores")
+        peak, unit = ((g["fp16_tflops"], "tensor cores") if c.get("tensor_cores") else (g["fp32_tflops"], "FP32 peak"))
+        if c["issue_tflops"] < peak:
+            return dict(value=c["issue_tflops"], unit="TFLOP/s", bound=c["limit"])
+        return dict(value=peak, unit="TFLOP/s", bound=unit)
     if "issue_tbps" in c:
         if c["issue_tbps"] < g["tbps"]:
-            return dict(value=c["issue_tbps"], unit="TB/s", bound="instruction issue")
+            return dict(value=c["issue_tbps"], unit="TB/s", bound=c["limit"])
         return dict(value=g["tbps"], unit="TB/s", bound="memory")
     return None
 
@@ -436,8 +485,10 @@ def _fraction(spec):
             return f"no spec {spec!r}", None
         p = predicted(r, 90)
         frac = p["value"] / GPUS[90]["tbps"]
-        return (f"{p['value']} TB/s = {frac:.0%} of the {GPUS[90]['tbps']} TB/s datasheet bandwidth ({p['bound']})",
-                frac >= 0.75)
+        text = f"{p['value']} TB/s = {frac:.0%} of the {GPUS[90]['tbps']} TB/s datasheet bandwidth ({p['bound']})"
+        if frac < 0.75:  # the target is 75% of the *measured* copy bandwidth, which lies below the datasheet's
+            text += f"; out of reach if the measured copy bandwidth is at least {p['value'] / 0.75:.2f} TB/s"
+        return text, frac >= 0.75
     return judge
 
 
@@ -449,7 +500,8 @@ def _ratio(spec, base, bytes_ratio=1.0, at_least=1.0):
         a, b = predicted(by[spec], 90), predicted(by[base], 90)
         ratio = a["value"] / b["value"] * bytes_ratio
         bytes_text = f", {bytes_ratio:.2f}× fewer bytes" if bytes_ratio != 1 else ""
-        return f"{ratio:.2f}× ({a['value']} vs {b['value']} TB/s{bytes_text})", ratio >= at_least
+        issue = f"; instruction ceilings {by[spec]['ceiling']['issue_tbps']} and {by[base]['ceiling']['issue_tbps']} TB/s"
+        return f"{ratio:.2f}× ({a['value']} vs {b['value']} TB/s{bytes_text}{issue})", ratio >= at_least
     return judge
 
 
@@ -512,8 +564,10 @@ def predicted_markdown(rows) -> str:
         "The model: a multiprocessor has 4 schedulers, each issuing at most one warp instruction per clock. A "
         "kernel's main loop runs `instructions` per warp per iteration (counted in the SASS, `cuobjdump -sass`) "
         "and its program of `warps` warps reads `bytes` of K/V per iteration, so it cannot read faster than "
-        "SMs × 4 × clock × bytes / (warps × instructions), divided by how many programs read each K/V element "
-        "(the query heads per K/V head for a per-head kernel). The ceiling is the lower of that and the "
+        "SMs × 4 × clock × bytes / (warps × cycles), divided by how many programs read each K/V element "
+        "(the query heads per K/V head for a per-head kernel), where `cycles` is the largest of the loop's "
+        "instruction count, its FP32 instructions × 2 on sm_75/sm_80 (16 FP32 lanes per scheduler; 32 on "
+        "sm_90) and its SFU instructions (exp2) × 8 (4 lanes per scheduler): the `bound` column names which. The ceiling is the lower of that and the "
         "datasheet's memory bandwidth (or, for prefill, its dense fp16 tensor-core peak): an upper bound, which "
         "latency, occupancy and DRAM efficiency can only lower. GPUs: "
         + "; ".join(f"sm_{a} = {g['name']}, {g['sms']} SMs at {g['ghz']} GHz, {g['tbps']} TB/s, "
@@ -526,10 +580,16 @@ def predicted_markdown(rows) -> str:
                   "| target | ceiling | on paper |", "|---|---|---|"]
         for target, judge in TARGETS_ON_PAPER:
             text, met = judge(by)
-            lines.append(f"| {target} | {text} | {'met' if met else 'out of reach' if met is False else 'not judged'} |")
-        lines += ["", "A target met on paper can still be missed on the GPU (the model has no latency, occupancy or "
-                  "DRAM efficiency); one out of reach on paper cannot be met by that kernel as built: its main loop "
-                  "issues more instructions per byte than the GPU can issue while the memory streams.", ""]
+            verdict = "not ruled out" if met else "out of reach" if met is False else "not judged"
+            lines.append(f"| {target} | {text} | {verdict} |")
+        lines += ["", "\"Not ruled out\" is all a ceiling can say: the GPU can still miss the target (the model has "
+                  "no latency, occupancy or DRAM efficiency, and a ratio of two ceilings bounds the real ratio in "
+                  "neither direction; where both kernels are capped by memory the verdict says only that neither "
+                  "kernel's instructions stand in the way). \"Out of reach\" means that kernel as built cannot "
+                  "meet it: its main loop needs more scheduler cycles per byte than the GPU has while the memory "
+                  "streams. The ceilings assume a grid that fills every multiprocessor (split-K provides that at "
+                  "small batches) and, for a per-head kernel, that the query heads of a group re-read their K/V "
+                  "from L2 at no cost.", ""]
     for arch in sorted(GPUS, reverse=True):
         arch_rows = [r for r in rows if r.get("arch") == f"sm_{arch}" and r.get("ceiling")]
         if not arch_rows:

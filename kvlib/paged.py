@@ -609,4 +609,5 @@ COMPILE_SPECS = [
                            ("fp16", 64, 16, 8), ("fp16", 32, 1, 8), ("bf16", 32, 16, 8), ("fp32", 32, 16, 8))),
     dict(name="store_paged 16 tokens", launch=lambda: store_paged(*_store_inputs(16))),
     dict(name="store_paged 4096 tokens", launch=lambda: store_paged(*_store_inputs(4096))),
+    dict(name="store_paged 37 tokens", launch=lambda: store_paged(*_store_inputs(37))),  # not 16-divisible
 ]

@@ -400,4 +400,5 @@ COMPILE_SPECS = [
       for dt, H, n in (("fp16", 32, 1), ("fp16", 32, 8), ("fp16", 64, 8), ("bf16", 32, 8), ("fp32", 32, 8))),
     dict(name="store_kv_int8 1 token", launch=lambda: store_kv_int8(*_store_inputs(1))),
     dict(name="store_kv_int8 512 tokens", launch=lambda: store_kv_int8(*_store_inputs(512))),
+    dict(name="store_kv_int8 37 tokens", launch=lambda: store_kv_int8(*_store_inputs(37))),  # not 16-divisible
 ]

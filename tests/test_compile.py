@@ -80,6 +80,27 @@ SAMPLES = textwrap.dedent('''
         tl.store(o_ptr + b * n + offs, x, mask=offs < n)
 
     @triton.jit
+    def loaded_slot(x_ptr, o_ptr, slots_ptr, N, HD, TILE: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * 4 + tl.arange(0, 4)
+        dst = tl.load(slots_ptr + rows, mask=rows < N, other=0) * HD  # a loaded int32 slot times a size
+        offs = tl.arange(0, TILE)
+        tl.store(o_ptr + dst[:, None] + offs[None, :], tl.zeros((4, TILE), tl.float32))
+
+    @triton.jit
+    def loop_var_times_size(x_ptr, o_ptr, n, D, TILE: tl.constexpr):
+        offs = tl.arange(0, TILE)
+        acc = tl.zeros((TILE,), tl.float32)
+        for pos0 in range(0, n, 16):
+            acc += tl.load(x_ptr + pos0 * D + offs)  # the loop variable times a size
+        tl.store(o_ptr + offs, acc)
+
+    @triton.jit
+    def truncated(x_ptr, o_ptr, n, TILE: tl.constexpr):
+        b = (tl.program_id(0).to(tl.int64) * 2).to(tl.int32)  # back to 32 bits
+        offs = tl.arange(0, TILE)
+        tl.store(o_ptr + b * n + offs, tl.load(x_ptr + offs))
+
+    @triton.jit
     def tile_rows(x_ptr, o_ptr, stride_r, n_rows, TILE: tl.constexpr):
         rows = tl.arange(0, TILE)
         for r0 in range(0, n_rows, TILE):
@@ -95,8 +116,10 @@ def test_the_detectors_flag_32_bit_offsets_and_find_the_loop(tmp_path):
         from kvlib import compile_check as cc
         x, o = torch.zeros(4, 64), torch.zeros(4, 64)
         out = {}
+        slots = torch.zeros(8, dtype=torch.int32)
         for k, args in ((samples.wraps, (x, o, 64, 48)), (samples.safe, (x, o, 64, 48)),
-                        (samples.tile_rows, (x, o, 64, 200))):
+                        (samples.tile_rows, (x, o, 64, 200)), (samples.loaded_slot, (x, o, slots, 3, 128)),
+                        (samples.loop_var_times_size, (x, o, 70, 128)), (samples.truncated, (x, o, 48))):
             c, _ = cc.jit_compile(k, args, dict(TILE=64), 90)
             out[k.fn.__name__] = dict(bad=cc.i32_stride_products(c.asm["ttir"]),
                                       loops=cc.sass_loops(cc._cuobjdump(c.asm["cubin"], "-sass")))
@@ -110,7 +133,10 @@ def test_the_detectors_flag_32_bit_offsets_and_find_the_loop(tmp_path):
     assert any("%stride_b" in line for line in out["wraps"]["bad"]), out["wraps"]
     assert any("%n" in line for line in out["wraps"]["bad"]), out["wraps"]
     assert out["safe"]["bad"] == []
-    assert any("%stride_r" in line for line in out["tile_rows"]["bad"]), out["tile_rows"]  # in the loop, tensor
+    for name in ("loaded_slot", "loop_var_times_size", "truncated"):
+        assert len(out[name]["bad"]) == 1, (name, out[name])
+    bad = out["tile_rows"]["bad"]  # r * stride_r, in the loop, on a tensor (the splat of stride_r may be unnamed)
+    assert len(bad) == 1 and "arith.muli %r" in bad[0] and "xi32>" in bad[0], bad
     assert out["wraps"]["loops"] == [] and len(out["tile_rows"]["loops"]) == 1
     loop = out["tile_rows"]["loops"][0]
     assert 3 < loop["instructions"] < 200 and "LDG" in loop["opcodes"] and "STG" in loop["opcodes"], loop
