@@ -477,13 +477,16 @@ def _by_spec(rows, arch: int) -> dict:
 
 
 # Each GPU target of the course, judged on paper for sm_90 from the specs that stand for the sweep's shapes:
-# (target, what it compares, f(rows by spec) -> (figure text, met: bool | None)).
+# judge(rows by spec) -> (figure text, met: bool | None).
+def _missing(by: dict, *specs) -> str | None:
+    return next((f"no spec {s!r}" for s in specs if s not in by), None)
+
+
 def _fraction(spec):
     def judge(by):
-        r = by.get(spec)
-        if r is None:
-            return f"no spec {spec!r}", None
-        p = predicted(r, 90)
+        if _missing(by, spec):
+            return _missing(by, spec), None
+        p = predicted(by[spec], 90)
         frac = p["value"] / GPUS[90]["tbps"]
         text = f"{p['value']} TB/s = {frac:.0%} of the {GPUS[90]['tbps']} TB/s datasheet bandwidth ({p['bound']})"
         if frac < 0.75:  # the target is 75% of the *measured* copy bandwidth, which lies below the datasheet's
@@ -495,8 +498,8 @@ def _fraction(spec):
 def _ratio(spec, base, bytes_ratio=1.0, at_least=1.0):
     """Predicted speed of ``spec`` over ``base`` for the same tokens: bytes_ratio = base's bytes / spec's."""
     def judge(by):
-        if spec not in by or base not in by:
-            return f"no spec {spec if spec not in by else base!r}", None
+        if _missing(by, spec, base):
+            return _missing(by, spec, base), None
         a, b = predicted(by[spec], 90), predicted(by[base], 90)
         ratio = a["value"] / b["value"] * bytes_ratio
         bytes_text = f", {bytes_ratio:.2f}× fewer bytes" if bytes_ratio != 1 else ""
@@ -509,8 +512,8 @@ def _repeat(grouped, per_head_mha, n_rep, at_least):
     """Grouped decode against repeat K/V + the per-head kernel over the copies: repeating reads the K/V once
     and writes n_rep copies (a memory-bound copy), then the per-head kernel reads the copies."""
     def judge(by):
-        if grouped not in by or per_head_mha not in by:
-            return f"no spec {grouped if grouped not in by else per_head_mha!r}", None
+        if _missing(by, grouped, per_head_mha):
+            return _missing(by, grouped, per_head_mha), None
         bw = GPUS[90]["tbps"]
         g, m = predicted(by[grouped], 90)["value"], predicted(by[per_head_mha], 90)["value"]
         t_grouped = 1 / g  # per byte of K/V
@@ -522,10 +525,9 @@ def _repeat(grouped, per_head_mha, n_rep, at_least):
 
 def _prefill(spec):
     def judge(by):
-        r = by.get(spec)
-        if r is None:
-            return f"no spec {spec!r}", None
-        p = predicted(r, 90)
+        if _missing(by, spec):
+            return _missing(by, spec), None
+        p = predicted(by[spec], 90)
         return (f"{p['value']} TFLOP/s ({p['bound']}, {p['value'] / GPUS[90]['fp16_tflops']:.0%} of the fp16 peak); "
                 "SDPA's own speed is not predicted here"), None
     return judge
