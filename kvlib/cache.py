@@ -567,7 +567,13 @@ class KVCache:
 # How kvlib.compile_check builds these kernels: the wrappers' own launches at a realistic shape (32 query
 # heads over 8 K/V heads, D = 128, a 1024-position cache holding two ragged sequences), with the tiles the
 # wrappers pick for each GPU.
-def _compile_inputs(dtype=torch.float16, B=2, H=32, H_KV=8, S_max=1024, D=128):
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _compile_inputs(dtype="fp16", B=2, H=32, H_KV=8, S_max=1024, D=128):
+    """q, k, v, seq_lens on the CPU at a realistic shape: two ragged sequences in a 1024-position cache
+    (dtype: a torch dtype or its short name). Also the grouped, paged and int8 decodes' specs use it."""
+    dtype = _DTYPES.get(dtype, dtype)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, H, D, generator=g).to(dtype)
     k, v = (torch.randn(B, H_KV, S_max, D, generator=g).to(dtype) for _ in range(2))
@@ -591,7 +597,7 @@ COMPILE_SPECS = [
         *_compile_inputs(H=H, H_KV=H_KV), num_splits=n), loops={"_decode_kernel": _decode_loop})
       for H, H_KV, n in ((32, 8, 1), (32, 8, 8), (64, 8, 1), (32, 32, 1))),
     *(dict(name=f"decode {dt} 32/8", launch=lambda dt=dt: decode_attention(
-        *_compile_inputs({"bf16": torch.bfloat16, "fp32": torch.float32}[dt]), num_splits=1), archs=archs, loops={"_decode_kernel": _decode_loop})
+        *_compile_inputs(dt), num_splits=1), archs=archs, loops={"_decode_kernel": _decode_loop})
       for dt, archs in (("bf16", (80, 90)), ("fp32", (75, 80, 90)))),
     dict(name="store 1 token", launch=lambda: _store_launch(1)),
     dict(name="store 512 tokens", launch=lambda: _store_launch(512)),

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import dot_on_tensor_cores
-from .cache import _check_cache_args, check_num_splits, choose_splits, decode_attention_ref, merge_splits
+from .cache import (_check_cache_args, _compile_inputs, check_num_splits, choose_splits, decode_attention_ref,
+                    merge_splits)
 
 __all__ = ["repeat_kv", "grouped_decode_attention", "grouped_decode_attention_ref", "mha_to_gqa", "finetune"]
 
@@ -352,16 +353,6 @@ def finetune(model, train_ids: torch.Tensor, steps: int = 60, batch: int = 8, se
 # --------------------------------------------------------------------------------------------
 # How kvlib.compile_check builds the kernel (kvlib.paged and kvlib.quant use these helpers too)
 # --------------------------------------------------------------------------------------------
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _compile_inputs(dtype="fp16", B=2, H=32, H_KV=8, S_max=1024, D=128):
-    """q, k, v, seq_lens on the CPU at a realistic shape: two ragged sequences in a 1024-position cache."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, D, generator=g).to(_DTYPES[dtype])
-    k, v = (torch.randn(B, H_KV, S_max, D, generator=g).to(_DTYPES[dtype]) for _ in range(2))
-    return q, k, v, torch.tensor([S_max - 24, S_max // 2 + 5][:B] + [S_max] * max(0, B - 2), dtype=torch.int32)
 
 
 def _decode_loop(a):

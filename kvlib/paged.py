@@ -30,8 +30,8 @@ import torch
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
-from .cache import check_attend_args, check_int, pick_kernels
-from .gqa import _DTYPES, DECODE_LOOPS, _compile_inputs, grouped_decode_launch
+from .cache import _DTYPES, _compile_inputs, check_attend_args, check_int, pick_kernels
+from .gqa import DECODE_LOOPS, grouped_decode_launch
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_decode_attention",
            "paged_decode_attention_ref", "store_paged", "store_paged_ref"]

@@ -27,8 +27,8 @@ import torch
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref
-from .cache import KVCache, _check_cache_args, _check_store_args, decode_attention_ref
-from .gqa import DECODE_LOOPS, _compile_inputs, grouped_decode_launch
+from .cache import KVCache, _check_cache_args, _check_store_args, _compile_inputs, decode_attention_ref
+from .gqa import DECODE_LOOPS, grouped_decode_launch
 
 __all__ = ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
            "store_kv_int8", "store_kv_int8_ref", "Int8KVCache", "quality_report"]
