@@ -84,7 +84,10 @@ class ModelSpec:
     head_dim: int  # head_dim (hidden_size / num_attention_heads where not given)
     hidden_size: int  # hidden_size (model width)
     max_context: int  # max_position_embeddings: the longest sequence the model is configured for
-    n_params: float  # parameter count (for the weights' bytes), from the model card
+    n_params: float  # parameter count (for the weights' bytes), from the model card: embedding table and output
+    #                  head included, once when they are tied
+    vocab_size: int  # vocab_size: the output head is a vocab_size x hidden_size matrix
+    tie_embeddings: bool  # tie_word_embeddings: the output head is the embedding table (one matrix, used twice)
 
     @property
     def config_url(self) -> str:
@@ -100,17 +103,17 @@ class ModelSpec:
 
 
 REAL_MODELS = [
-    ModelSpec("LLaMA-7B", "huggyllama/llama-7b", 32, 32, 32, 128, 4096, 2048, 6.74e9),
-    ModelSpec("Llama-2-7B", "meta-llama/Llama-2-7b-hf", 32, 32, 32, 128, 4096, 4096, 6.74e9),
-    ModelSpec("Llama-2-13B", "meta-llama/Llama-2-13b-hf", 40, 40, 40, 128, 5120, 4096, 13.0e9),
-    ModelSpec("Llama-2-70B", "meta-llama/Llama-2-70b-hf", 80, 64, 8, 128, 8192, 4096, 69.0e9),
-    ModelSpec("Llama-3-8B", "meta-llama/Meta-Llama-3-8B", 32, 32, 8, 128, 4096, 8192, 8.03e9),
-    ModelSpec("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", 32, 32, 8, 128, 4096, 131072, 8.03e9),
-    ModelSpec("Llama-3-70B", "meta-llama/Meta-Llama-3-70B", 80, 64, 8, 128, 8192, 8192, 70.6e9),
-    ModelSpec("Mistral-7B-v0.3", "mistralai/Mistral-7B-v0.3", 32, 32, 8, 128, 4096, 32768, 7.25e9),
-    ModelSpec("Qwen2.5-7B", "Qwen/Qwen2.5-7B", 28, 28, 4, 128, 3584, 131072, 7.62e9),
+    ModelSpec("LLaMA-7B", "huggyllama/llama-7b", 32, 32, 32, 128, 4096, 2048, 6.74e9, 32000, False),
+    ModelSpec("Llama-2-7B", "meta-llama/Llama-2-7b-hf", 32, 32, 32, 128, 4096, 4096, 6.74e9, 32000, False),
+    ModelSpec("Llama-2-13B", "meta-llama/Llama-2-13b-hf", 40, 40, 40, 128, 5120, 4096, 13.0e9, 32000, False),
+    ModelSpec("Llama-2-70B", "meta-llama/Llama-2-70b-hf", 80, 64, 8, 128, 8192, 4096, 69.0e9, 32000, False),
+    ModelSpec("Llama-3-8B", "meta-llama/Meta-Llama-3-8B", 32, 32, 8, 128, 4096, 8192, 8.03e9, 128256, False),
+    ModelSpec("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", 32, 32, 8, 128, 4096, 131072, 8.03e9, 128256, False),
+    ModelSpec("Llama-3-70B", "meta-llama/Meta-Llama-3-70B", 80, 64, 8, 128, 8192, 8192, 70.6e9, 128256, False),
+    ModelSpec("Mistral-7B-v0.3", "mistralai/Mistral-7B-v0.3", 32, 32, 8, 128, 4096, 32768, 7.25e9, 32768, False),
+    ModelSpec("Qwen2.5-7B", "Qwen/Qwen2.5-7B", 28, 28, 4, 128, 3584, 131072, 7.62e9, 152064, False),
     # The course's real model (chapters 03-09); the base SmolLM2-135M has the same config.
-    ModelSpec("SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", 30, 9, 3, 64, 576, 8192, 1.35e8),
+    ModelSpec("SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct", 30, 9, 3, 64, 576, 8192, 1.35e8, 49152, True),
 ]
 
 

@@ -245,6 +245,7 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache=None,
         logits_to_keep: int = 0,
+        logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V) in fp32.
 
@@ -256,6 +257,8 @@ class Transformer(nn.Module):
         logits_to_keep: 0 for every position's logits; n > 0 for the last n only, (B, n, V). A prefill
             whose next token is all that is used skips the output head (vocabulary x dim multiply-adds
             per token; a fifth of SmolLM2-135M's) on every other position.
+        logits_index: a (n,) tensor of positions along T whose logits are wanted, (B, n, V): a fused serving
+            step (chapter 08) lays several sequences end to end and samples only at each one's last token.
 
         >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=1, n_heads=2, hidden_dim=64))
         >>> model(torch.tensor([[1, 2, 3]])).shape  # (B, T, V)
@@ -277,6 +280,15 @@ class Transformer(nn.Module):
                 raise ValueError(f"ids must lie in the vocabulary 0..{self.config.vocab_size - 1}, "
                                  f"got values in {lo}..{hi}")
         B, T = ids.shape
+        if logits_index is not None:
+            if logits_to_keep:
+                raise ValueError("give logits_to_keep or logits_index, not both")
+            if not isinstance(logits_index, torch.Tensor) or logits_index.dim() != 1 \
+                    or logits_index.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"logits_index must be a (n,) int tensor of positions 0..{T - 1}, got "
+                                 f"{getattr(logits_index, 'shape', type(logits_index).__name__)}")
+            if logits_index.numel() and not 0 <= int(logits_index.min()) <= int(logits_index.max()) < T:
+                raise ValueError(f"logits_index must lie in 0..{T - 1} (the T={T} positions of ids)")
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
         mask = None
@@ -290,7 +302,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
-        if logits_to_keep:
+        if logits_index is not None:
+            x = x[:, logits_index]  # (B, n, C)
+        elif logits_to_keep:
             x = x[:, -logits_to_keep:]  # (B, n, C)
         return self.lm_head(self.norm(x)).float()  # (B, T, V)
 

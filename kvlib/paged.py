@@ -24,6 +24,7 @@ Shapes: q (B, H, D); k_blocks, v_blocks (num_blocks, block_size, H_KV, D); block
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -33,7 +34,7 @@ from .attention import attention_ref, flash_attention
 from .cache import _DTYPES, _compile_inputs, check_attend_args, check_int, pick_kernels
 from .gqa import DECODE_LOOPS, grouped_decode_launch
 
-__all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_decode_attention",
+__all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "RaggedBatch", "paged_decode_attention",
            "paged_decode_attention_ref", "store_paged", "store_paged_ref"]
 
 
@@ -331,6 +332,12 @@ class PagedKVCache:
     a view whose ``attend`` writes the new tokens of those sequences (in that order) and attends.
     A call that fails (an unknown id, a pool too small) raises and changes nothing.
 
+    The cache is the one owner of its blocks: reference counts (``allocator``), prefix hashes, and with
+    ``retain_freed=True`` (the serving engine, chapter 08) the *cached* blocks: a full, hashed block whose
+    last sequence let go stays findable, least recently used first in ``cached``, until a fresh block is
+    needed and it is evicted (vLLM and nano-vllm do the same). ``num_available`` counts free + cached.
+    With ``tiers`` (``kvlib.tiers.HostDiskTiers``) an evicted block goes down to host memory and disk.
+
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
     >>> cache = PagedKVCache.for_model(model, num_blocks=4, block_size=2)
@@ -345,10 +352,12 @@ class PagedKVCache:
     """
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32,
-                 device="cpu", kernels=None, prefix_caching=True):
+                 device="cpu", kernels=None, prefix_caching=True, retain_freed=False, tiers=None):
         n_layers, num_blocks = check_int("n_layers", n_layers), check_int("num_blocks", num_blocks)
         block_size, n_kv_heads = check_int("block_size", block_size), check_int("n_kv_heads", n_kv_heads)
         head_dim = check_int("head_dim", head_dim)
+        if (retain_freed or tiers is not None) and not prefix_caching:
+            raise ValueError("retain_freed and tiers keep prefix-cache blocks: they need prefix_caching=True")
         self.kernels, self.block_size, self.device = pick_kernels(kernels, device), block_size, device
         shape = (num_blocks, block_size, n_kv_heads, head_dim)  # (num_blocks, block_size, H_KV, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -360,6 +369,11 @@ class PagedKVCache:
         self.prefix_caching = prefix_caching
         self.hash_to_block: dict = {}  # chained hash of a full block's tokens -> block id
         self.block_hash: dict = {}  # block id -> its hash (only full, registered blocks)
+        self.block_key: dict = {}  # block id -> (parent hash, its tokens): what a hit compares
+        self.retain_freed = retain_freed
+        self.cached: OrderedDict = OrderedDict()  # hashed blocks no sequence holds (the cache's own reference), LRU first
+        self.tiers = tiers  # None, or where evicted cached blocks go (host memory, disk)
+        self._hashed: dict = {}  # seq id -> (blocks registered, hash of the last one): hashing is incremental
 
     @classmethod
     def for_model(cls, model, num_blocks, block_size, **kw):
@@ -390,28 +404,115 @@ class PagedKVCache:
             raise ValueError(f"{what}: seq_ids must be distinct, got {seq_ids!r}")
         return seq_ids
 
-    def add_sequence(self, seq_id, prompt_tokens=()) -> int:
+    @property
+    def num_available(self) -> int:
+        """Blocks a new allocation can get: free ones plus cached ones (evicted on demand)."""
+        return self.allocator.num_free + len(self.cached)
+
+    def _find(self, h, parent, block_tokens):
+        """The device block registered under hash h if it really holds block_tokens after parent, else None:
+        a hit compares tokens, it does not trust the hash alone."""
+        b = self.hash_to_block.get(h)
+        if b is not None and self.block_key.get(b) == (parent, block_tokens):
+            return b
+        return None
+
+    def _take(self, block: int):
+        """A new holder for a registered block: a cached one is revived (the cache's reference passes on)."""
+        if block in self.cached:
+            del self.cached[block]
+        else:
+            self.allocator.share(block)
+
+    def lookup(self, tokens) -> list:
+        """The device pool's blocks for ``tokens``' full prefix blocks, in order, stopping at the first miss
+        (at most ``(len(tokens) - 1) // block_size``: the last token is computed, its logits give the first
+        new token). Changes nothing."""
+        if not self.prefix_caching:
+            return []
+        tokens, bs, found, parent = list(tokens), self.block_size, [], None
+        for i, h in enumerate(chained_block_hashes(tokens, bs, (len(tokens) - 1) // bs)):
+            b = self._find(h, parent, tuple(tokens[i * bs: (i + 1) * bs]))
+            if b is None:
+                break
+            found.append(b)
+            parent = h
+        return found
+
+    def add_sequence(self, seq_id, prompt_tokens=(), blocks=None) -> int:
         """Register a sequence; with prefix caching, reuse the full blocks of an identical prefix.
 
         Returns how many prompt positions are already cached (a multiple of block_size, and always
         less than the prompt's length, so the last prompt token is computed and gives logits).
+        ``blocks``: the result of ``lookup(prompt_tokens)`` if the caller already has it.
         """
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        self.tables[seq_id], self.lens[seq_id], self.tokens[seq_id] = [], 0, []
-        if not self.prefix_caching:
-            return 0
         tokens, bs = list(prompt_tokens), self.block_size
-        # full blocks, leaving at least one token to compute
+        blocks = self.lookup(tokens) if blocks is None else list(blocks)
+        for b in blocks:
+            self._take(b)
+        n = len(blocks) * bs
+        self.tables[seq_id], self.lens[seq_id], self.tokens[seq_id] = blocks, n, tokens[:n]
+        self._hashed[seq_id] = (len(blocks), self.block_hash[blocks[-1]] if blocks else None)
+        return n
+
+    def plan_prefix(self, tokens) -> list:
+        """Where each of ``tokens``' full prefix blocks is kept, in order, up to the first block kept
+        nowhere: [(tier, device block or None, hash, key)], tier "device", "host" or "disk", key = (parent's
+        hash, the block's tokens). As ``lookup`` it leaves the last token to compute. Changes nothing."""
+        if not self.prefix_caching:
+            return []
+        tokens, bs, plan, parent = list(tokens), self.block_size, [], None
         for i, h in enumerate(chained_block_hashes(tokens, bs, (len(tokens) - 1) // bs)):
-            block = self.hash_to_block.get(h)
-            if block is None:
+            key = (parent, tuple(tokens[i * bs: (i + 1) * bs]))
+            b = self._find(h, *key)
+            tier = "device" if b is not None else self.tiers.where(h, key) if self.tiers is not None else None
+            if tier is None:
                 break
-            self.allocator.share(block)
-            self.tables[seq_id].append(block)
-            self.tokens[seq_id] += tokens[i * bs: (i + 1) * bs]
-            self.lens[seq_id] += bs
-        return self.lens[seq_id]
+            plan.append((tier, b, h, key))
+            parent = h
+        return plan
+
+    def plan_cost(self, plan, n_tokens: int) -> int:
+        """How much of ``num_available`` admitting ``n_tokens`` positions on ``plan`` takes: a fresh block
+        for every block the device does not hold (a tier hit is copied into one), plus each cached block
+        it revives (cached blocks count as available)."""
+        device = [b for tier, b, *_ in plan if tier == "device"]
+        return -(-n_tokens // self.block_size) - len(device) + sum(b in self.cached for b in device)
+
+    def attach_prefix(self, seq_id, plan) -> dict:
+        """Register seq_id holding ``plan``'s blocks (from ``plan_prefix``): device blocks are shared, tier
+        copies go into fresh blocks (evicting cached ones if needed). A tier copy that turns out unreadable
+        ends the prefix there (a miss). Returns the positions found per tier {"device", "host", "disk"}.
+        All-or-nothing: an exception leaves no sequence and every block as it was."""
+        self.add_sequence(seq_id)
+        pinned = [b for tier, b, *_ in plan if tier == "device"]
+        for b in pinned:  # held before any fresh block is allocated, so that no eviction takes them
+            self._take(b)
+        got, bs, attached = dict(device=0, host=0, disk=0), self.block_size, 0
+        try:
+            for tier, b, h, key in plan:
+                if tier == "device":
+                    self.tables[seq_id].append(b)
+                    self.tokens[seq_id] += list(key[1])
+                    self.lens[seq_id] += bs
+                    self._hashed[seq_id] = (self._hashed[seq_id][0] + 1, h)
+                    attached += 1
+                else:
+                    kv = self.tiers.get(h, key)
+                    if kv is None:
+                        break
+                    self.fill_block(seq_id, key[1], *kv, h)
+                got[tier] += bs
+        except BaseException:
+            for b in pinned[attached:]:
+                self.release_block(b)
+            self.free_sequence(seq_id)
+            raise
+        for b in pinned[attached:]:  # past a miss: not part of this prefix after all
+            self.release_block(b)
+        return got
 
     def fork(self, parent, child):
         """``child`` starts as a copy of ``parent`` sharing all its blocks (copy-on-write later)."""
@@ -423,23 +524,63 @@ class PagedKVCache:
         self.tables[child] = list(self.tables[parent])
         self.lens[child] = self.lens[parent]
         self.tokens[child] = list(self.tokens[parent])
+        self._hashed[child] = self._hashed[parent]
 
     def free_sequence(self, seq_id):
-        """Drop the sequence and its references to its blocks (blocks no one else holds go back to the pool)."""
+        """Drop the sequence and its references to its blocks (blocks no one else holds go back to the pool,
+        or, with ``retain_freed``, hashed ones to ``cached``: the last block first, so it is evicted first)."""
         self._known(seq_id, "free_sequence")
-        for block in self.tables.pop(seq_id):
+        for block in reversed(self.tables.pop(seq_id)):
             self.release_block(block)
-        del self.lens[seq_id], self.tokens[seq_id]
+        del self.lens[seq_id], self.tokens[seq_id], self._hashed[seq_id]
 
     def release_block(self, block: int) -> bool:
-        """Drop one reference to ``block``; on the last one it goes back to the pool and its prefix hash
-        is forgotten (so no later lookup finds a free block). True if it was freed."""
+        """Drop one reference to ``block``. On the last one a hashed block is kept in ``cached`` when
+        ``retain_freed`` is on; otherwise it goes back to the pool and its prefix hash is forgotten (so no
+        later lookup finds a free block). True if it left every sequence (freed or cached)."""
+        if self.retain_freed and self.allocator.refcount[block] == 1 and block not in self.cached \
+                and self.hash_to_block.get(self.block_hash.get(block)) == block:  # findable: worth keeping
+            self.cached[block] = None  # the last holder's reference becomes the cache's own
+            return True
         if not self.allocator.free(block):
             return False
+        self._forget(block)
+        return True
+
+    def _forget(self, block: int):
         h = self.block_hash.pop(block, None)
+        self.block_key.pop(block, None)
         if h is not None and self.hash_to_block.get(h) == block:
             del self.hash_to_block[h]
-        return True
+
+    def _allocate(self, n: int) -> list[int]:
+        """n fresh blocks, evicting cached ones (least recently used first; down to the tiers if any) when
+        the free list is short. All-or-nothing: ``OutOfBlocksError`` when even free + cached is too few."""
+        if n > self.num_available:
+            raise OutOfBlocksError(f"asked for {n} block(s) but only {self.allocator.num_free} of "
+                                   f"{self.allocator.num_blocks} are free and {len(self.cached)} cached")
+        while self.allocator.num_free < n:
+            self.evict_cached(1)
+        return self.allocator.allocate(n)
+
+    def evict_cached(self, n: int) -> int:
+        """Evict up to n cached blocks, least recently used first: each goes down to the tiers (if any, and
+        a failed write there only loses that copy), then its hash is forgotten and it is free. Returns how
+        many were evicted. Each eviction is whole: an exception leaves the block cached."""
+        done = 0
+        while done < n and self.cached:
+            b = next(iter(self.cached))
+            if self.tiers is not None:
+                self.tiers.put(self.block_hash[b], self.block_key[b], self._block_kv(b))
+            del self.cached[b]
+            self.allocator.free(b)
+            self._forget(b)
+            done += 1
+        return done
+
+    def _block_kv(self, b: int):
+        """Block b's K and V of every layer: two (n_layers, block_size, H_KV, D) tensors (views stacked)."""
+        return torch.stack([k[b] for k in self.k]), torch.stack([v[b] for v in self.v])
 
     def blocks_needed(self, seq_id, n_new: int) -> int:
         """New blocks that appending n_new tokens takes, counting a copy-on-write of a shared last block."""
@@ -450,57 +591,156 @@ class PagedKVCache:
         cow = 1 if (L % bs and table and self.allocator.refcount[table[-1]] > 1) else 0
         return max(0, fresh) + cow
 
-    def reserve(self, seq_ids, n_new: int, new_tokens=None) -> torch.Tensor:
-        """Make room for n_new tokens per sequence; return their slots (len(seq_ids) * n_new,).
+    def tokens_that_fit(self, seq_id, n_blocks: int) -> int:
+        """The most tokens appending to seq_id can take with n_blocks new blocks (the inverse of blocks_needed)."""
+        L, bs, table = self.lens[seq_id], self.block_size, self.tables[seq_id]
+        cow = 1 if (L % bs and table and self.allocator.refcount[table[-1]] > 1) else 0
+        return max(0, (len(table) + n_blocks - cow) * bs - L) if n_blocks >= cow else 0
+
+    def reserve(self, seq_ids, n_new, new_tokens=None) -> torch.Tensor:
+        """Make room for n_new tokens per sequence (an int, or one count per sequence); return their slots
+        (sum of the counts,), sequence after sequence.
 
         All-or-nothing: if the pool cannot hold everything, ``OutOfBlocksError`` is raised and no
         table, length or reference count has changed.
         """
         seq_ids = self._distinct(seq_ids, "reserve")
-        n_new = check_int("n_new", n_new, minimum=0)
+        counts = [n_new] * len(seq_ids) if isinstance(n_new, int) and not isinstance(n_new, bool) else list(n_new)
+        if len(counts) != len(seq_ids):
+            raise ValueError(f"reserve: n_new must be an int or one count per sequence ({len(seq_ids)}), got {n_new!r}")
+        counts = [check_int("n_new", n, minimum=0) for n in counts]
         if new_tokens is not None and (len(new_tokens) != len(seq_ids)
-                                       or any(len(t) != n_new for t in new_tokens)):
-            raise ValueError(f"reserve: new_tokens must hold {n_new} token(s) for each of the {len(seq_ids)} "
+                                       or any(len(t) != n for t, n in zip(new_tokens, counts))):
+            raise ValueError(f"reserve: new_tokens must hold {counts} token(s) for the {len(seq_ids)} "
                              f"sequence(s), got lengths {[len(t) for t in new_tokens]}")
-        need = sum(self.blocks_needed(s, n_new) for s in seq_ids)
-        if need > self.allocator.num_free:
-            raise OutOfBlocksError(f"appending {n_new} token(s) to {len(seq_ids)} sequence(s) needs {need} "
-                                   f"block(s); {self.allocator.num_free} of {self.allocator.num_blocks} are free")
+        need = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, counts))
+        if need > self.num_available:
+            raise OutOfBlocksError(f"appending {counts} token(s) to {len(seq_ids)} sequence(s) needs {need} "
+                                   f"block(s); {self.allocator.num_free} of {self.allocator.num_blocks} are free"
+                                   + (f" and {len(self.cached)} cached" if self.cached else ""))
         bs, slots = self.block_size, []
-        for i, s in enumerate(seq_ids):
+        for i, (s, n) in enumerate(zip(seq_ids, counts)):
             table, L = self.tables[s], self.lens[s]
-            if L % bs and self.allocator.refcount[table[-1]] > 1:  # copy-on-write of a shared partial block
-                (new,) = self.allocator.allocate(1)
+            if n and L % bs and self.allocator.refcount[table[-1]] > 1:  # copy-on-write of a shared partial block
+                (new,) = self._allocate(1)
                 for pool in self.k + self.v:
                     pool[new] = pool[table[-1]]
-                self.allocator.free(table[-1])
+                self.release_block(table[-1])
                 table[-1] = new
-            while len(table) * bs < L + n_new:
-                table += self.allocator.allocate(1)
-            slots += [table[p // bs] * bs + p % bs for p in range(L, L + n_new)]
+            grow = -(-(L + n) // bs) - len(table)
+            if grow > 0:
+                table += self._allocate(grow)
+            slots += [table[p // bs] * bs + p % bs for p in range(L, L + n)]
             if new_tokens is not None:
                 self.tokens[s] += list(new_tokens[i])
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
+    def truncate(self, seq_id, length: int):
+        """Cut seq_id back to its first ``length`` positions: blocks past them are released, and a block no
+        longer full loses its hash if this sequence alone holds it. (Rolls back a reservation whose forward
+        failed; chapter 11 rewinds rejected draft tokens with it.)"""
+        self._known(seq_id, "truncate")
+        length = check_int("length", length, minimum=0)
+        if length > max(self.lens[seq_id], len(self.tokens[seq_id])):
+            raise ValueError(f"truncate: length {length} is past sequence {seq_id!r}'s "
+                             f"{max(self.lens[seq_id], len(self.tokens[seq_id]))} positions")
+        bs, table = self.block_size, self.tables[seq_id]
+        keep = -(-length // bs)
+        for b in reversed(table[keep:]):
+            self.release_block(b)
+        del table[keep:]
+        if length % bs and table and table[-1] in self.block_hash and self.allocator.refcount[table[-1]] == 1:
+            self._forget(table[-1])
+        self.lens[seq_id] = min(self.lens[seq_id], length)
+        del self.tokens[seq_id][length:]
+        n_hashed, last = self._hashed[seq_id]
+        if n_hashed > length // bs:
+            n_hashed = length // bs
+            last = self.block_hash.get(table[n_hashed - 1]) if n_hashed else None
+            if n_hashed and last is None:  # a block we registered was forgotten: hash again from the start
+                n_hashed = 0
+        self._hashed[seq_id] = (n_hashed, last)
+
     def _register_full_blocks(self, seq_id):
-        """Give every newly completed block of seq_id its chained hash (prefix caching)."""
-        bs, toks, table = self.block_size, self.tokens[seq_id], self.tables[seq_id]
-        if not self.prefix_caching or len(toks) != self.lens[seq_id]:
+        """Give every newly completed block of seq_id its chained hash (prefix caching); only blocks not
+        hashed before are hashed (the chain goes on from the last one)."""
+        if not self.prefix_caching:
             return
-        for i, h in enumerate(chained_block_hashes(toks, bs, self.lens[seq_id] // bs)):
-            if table[i] not in self.block_hash:
-                self.block_hash[table[i]] = h
-                self.hash_to_block.setdefault(h, table[i])
+        bs, toks, table, L = self.block_size, self.tokens[seq_id], self.tables[seq_id], self.lens[seq_id]
+        if len(toks) < L:
+            return
+        n, parent = self._hashed[seq_id]
+        for i in range(n, L // bs):
+            block_tokens = tuple(toks[i * bs: (i + 1) * bs])
+            h = hash((parent, block_tokens))
+            b = table[i]
+            if b not in self.block_hash:
+                self.block_hash[b], self.block_key[b] = h, (parent, block_tokens)
+                self.hash_to_block.setdefault(h, b)
+            parent = h
+        self._hashed[seq_id] = (max(n, L // bs), parent)
 
     def block_table_tensor(self, seq_ids) -> torch.Tensor:
-        width = max(len(self.tables[s]) for s in seq_ids)
+        width = max(1, max(len(self.tables[s]) for s in seq_ids))
         bt = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
         for i, s in enumerate(seq_ids):
-            bt[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+            if self.tables[s]:
+                bt[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
         return bt.to(self.device)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
+
+    # ---- swapping a sequence out to host memory and back (chapter 08) -------------------
+
+    def swap_out(self, seq_id) -> list:
+        """Copy seq_id's blocks (every layer's K and V) to host memory, then free the sequence; returns
+        the copies, per layer (k, v) of shape (n_blocks, block_size, H_KV, D). Pinned on a GPU."""
+        self._known(seq_id, "swap_out")
+        idx = torch.tensor(self.tables[seq_id], dtype=torch.long, device=self.device)
+        pin = torch.device(self.device).type == "cuda"  # pinned host memory copies fast, asynchronously
+        host = []
+        for k, v in zip(self.k, self.v):  # copies first: an exception here leaves the sequence as it was
+            host.append(tuple(torch.empty((len(idx),) + pool.shape[1:], dtype=pool.dtype, pin_memory=pin)
+                              .copy_(pool[idx]) for pool in (k, v)))
+        self.free_sequence(seq_id)
+        return host
+
+    def swap_in(self, seq_id, host, tokens):
+        """Register seq_id again from ``swap_out``'s copies; ``tokens``: the token ids they hold (one per
+        position). Its full blocks get their prefix hashes again. All-or-nothing."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        n = host[0][0].shape[0] if host else 0
+        if -(-len(tokens) // self.block_size) != n:
+            raise ValueError(f"swap_in: {len(tokens)} tokens need {-(-len(tokens) // self.block_size)} blocks, "
+                             f"the copies hold {n}")
+        blocks = self._allocate(n)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for (hk, hv), k, v in zip(host, self.k, self.v):
+            k[idx] = hk.to(self.device, non_blocking=True)
+            v[idx] = hv.to(self.device, non_blocking=True)
+        self.tables[seq_id], self.lens[seq_id], self.tokens[seq_id] = blocks, len(tokens), list(tokens)
+        self._hashed[seq_id] = (0, None)
+        self._register_full_blocks(seq_id)
+
+    def fill_block(self, seq_id, block_tokens, k, v, h):
+        """Append one full block to seq_id from copies (a tier hit): k, v (n_layers, block_size, H_KV, D);
+        registered under its chained hash h. Needs seq_id's length to be a multiple of block_size."""
+        bs = self.block_size
+        if self.lens[seq_id] % bs or len(block_tokens) != bs:
+            raise ValueError("fill_block appends one whole block after whole blocks")
+        (b,) = self._allocate(1)
+        for layer, (pool_k, pool_v) in enumerate(zip(self.k, self.v)):
+            pool_k[b].copy_(k[layer], non_blocking=k.is_pinned())
+            pool_v[b].copy_(v[layer], non_blocking=v.is_pinned())
+        parent = self._hashed[seq_id][1]
+        self.block_hash[b], self.block_key[b] = h, (parent, tuple(block_tokens))
+        self.hash_to_block.setdefault(h, b)
+        self.tables[seq_id].append(b)
+        self.tokens[seq_id] += list(block_tokens)
+        self.lens[seq_id] += bs
+        self._hashed[seq_id] = (self._hashed[seq_id][0] + 1, h)
 
     # The four calls kvlib.generate.generate makes on any cache (sequence ids are 0..B-1 there):
     def reset(self, batch: int | None = None, length: int | None = None):
@@ -530,6 +770,12 @@ class PagedKVCache:
         """A view for one model call on ``seq_ids`` (its batch rows, in order); ``new_tokens``
         (list of token lists) lets prefix caching hash the blocks they fill."""
         return _PagedBatch(self, self._distinct(seq_ids, "batch"), new_tokens)
+
+    def ragged(self, seq_ids, new_tokens) -> "RaggedBatch":
+        """One forward over several sequences' new tokens laid end to end (chapter 08's fused step):
+        slots are reserved now (all-or-nothing); the model gets ids (1, N); ``commit()`` after the forward
+        makes the tokens part of the sequences, ``rollback()`` after a failure gives the slots back."""
+        return RaggedBatch(self, self._distinct(seq_ids, "ragged"), [list(t) for t in new_tokens])
 
 
 class _PagedBatch:
@@ -576,6 +822,69 @@ class _PagedBatch:
                 c.lens[s] += T
                 c._register_full_blocks(s)
         return out
+
+
+class RaggedBatch:
+    """The seam for one fused forward: ``attend`` gets q (1, H, N, D) and k, v (1, H_KV, N, D) for the new
+    tokens of ``seq_ids`` laid end to end, stores K/V through the reserved slots and runs ragged paged
+    attention (each token attends its own sequence's positions up to itself). Nothing about the sequences
+    changes until ``commit()``; ``rollback()`` releases the reservation."""
+
+    def __init__(self, cache: PagedKVCache, seq_ids, new_tokens):
+        self.cache, self.seq_ids = cache, seq_ids
+        self.counts = [len(t) for t in new_tokens]
+        if min(self.counts) < 1:
+            raise ValueError(f"ragged: every sequence needs at least one new token, got counts {self.counts}")
+        self.start = [cache.lens[s] for s in seq_ids]
+        self.slots = cache.reserve(seq_ids, self.counts, new_tokens)  # all-or-nothing
+        dev = cache.device
+        self.positions = torch.tensor([p for L, n in zip(self.start, self.counts) for p in range(L, L + n)],
+                                      device=dev)[None]  # (1, N)
+        self.tables = cache.block_table_tensor(seq_ids)
+        self.seq_lens = torch.tensor([L + n for L, n in zip(self.start, self.counts)], dtype=torch.int32, device=dev)
+        cu = [0]
+        for n in self.counts:
+            cu.append(cu[-1] + n)
+        self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
+        self.state = "reserved"
+
+    def attend(self, layer_idx, q, k, v):
+        from .ragged import ragged_paged_attention, ragged_paged_attention_ref
+
+        c = self.cache
+        if self.state != "reserved":
+            raise ValueError(f"this ragged view was already {self.state}: make a new one per forward")
+        _, _, H_KV, D = c.k[0].shape
+        check_attend_args(layer_idx, q, k, v, n_layers=len(c.k), batch=1, n_kv_heads=H_KV, head_dim=D,
+                          kv_dtype=c.k[0].dtype, batch_is="a ragged view lays its sequences end to end in one row")
+        N = q.shape[2]
+        if N != int(self.cu_seqlens[-1]):
+            raise ValueError(f"the ragged view holds {int(self.cu_seqlens[-1])} new tokens, q has T={N}")
+        triton_kernels = c.kernels == "triton"
+        k_rows = k[0].transpose(0, 1)  # (N, H_KV, D)
+        v_rows = v[0].transpose(0, 1)
+        (store_paged if triton_kernels else store_paged_ref)(c.k[layer_idx], c.v[layer_idx], k_rows, v_rows, self.slots)
+        attn = ragged_paged_attention if triton_kernels else ragged_paged_attention_ref
+        out = attn(q[0].transpose(0, 1), c.k[layer_idx], c.v[layer_idx], self.tables, self.cu_seqlens, self.seq_lens)
+        return out.transpose(0, 1)[None]  # (1, H, N, D)
+
+    def commit(self):
+        """The forward succeeded: the new tokens become part of their sequences (and full blocks get hashes)."""
+        c = self.cache
+        for s, n in zip(self.seq_ids, self.counts):
+            c.lens[s] += n
+            c._register_full_blocks(s)
+        self.state = "committed"
+
+    def rollback(self):
+        """The forward (or what came after it) failed: give back the reserved blocks and tokens."""
+        if self.state != "reserved":
+            return
+        c = self.cache
+        for s, L in zip(self.seq_ids, self.start):
+            if s in c.tables:
+                c.truncate(s, L)
+        self.state = "rolled back"
 
 
 # --------------------------------------------------------------------------------------------

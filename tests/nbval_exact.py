@@ -150,9 +150,10 @@ EXACT = {
         (r"prefilling [\d,]+ tokens again \(\d+% of the trace's", "ratio of two integer token counts"),
         (r"out and back \(\d+\.\d+ MiB\)", "integer blocks x integer block bytes / 2**20"),
         (r"TPOT p99 to \d+\.\d\d and \d+\.\d\d steps per token", "percentiles of integer step ratios"),
-        (r"(A100|H100) SXM \(PCIe Gen\d\)\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d\s+(every n|[\d,]+)\s+\d+\.\d\d$",
-         "CALCULATED table: datasheet FLOP/s and PCIe bandwidth constants and integer model configs, plain Python"),
-        (r"\(\d+\.\d vs \d+\.\d µs per token\)", "two values of the calculated datasheet table"),
+        (r"(?m)(A100|H100) SXM \(PCIe Gen\d\)\s+\d+\s+\d+\.\d\s+\d+\.\d\d\s+\d+\.\d\d(\s+(none|[\d,]+)){2}(\s+\d+\.\d\d){3}$",
+         "CALCULATED table: datasheet FLOP/s, PCIe and HBM bandwidth constants and integer model configs, plain "
+         "Python floats (no torch, no BLAS)"),
+        (r"n\* at r = 1\s+n\* at r = 0\.625", "the column names: the efficiency-ratio constants RATIOS"),
         (r"(?m)^(off|on)\s+\d+\.\d{3}\s+\d+\s+\d+\s+\d+\.\d+\s+\d+\.\d+$",
          "prefix-caching table: hit rate = integer cached / integer prompt tokens, percentiles of integer TTFTs"),
         (r"served \d+\.\d% of the prompt tokens from the cache", "integer cached / integer prompt tokens"),

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
-           "kvlib.gqa", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
+           "kvlib.gqa", "kvlib.ragged", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
            "kvlib.compress"]
 
 # Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
@@ -19,6 +19,7 @@ MUST_HAVE_EXAMPLES = {
     "kvlib.quant": ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
                     "store_kv_int8", "store_kv_int8_ref", "Int8KVCache"],
     "kvlib.gqa": ["repeat_kv", "grouped_decode_attention", "grouped_decode_attention_ref", "mha_to_gqa"],
+    "kvlib.ragged": ["ragged_paged_attention", "ragged_paged_attention_ref"],
     "kvlib.generate": ["generate_naive", "generate", "pad_prompts", "sample_next"],
     "kvlib.model": ["load_hf", "Transformer.forward"],
     "kvlib._triton": ["check_kernel_dtype"],

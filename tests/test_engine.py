@@ -26,30 +26,40 @@ def alone(model, prompt, n, temperature=0.0, seed=None, eos_id=None, top_k=None)
 
 
 def check_pool(engine):
-    """Every block is free xor referenced, with a reference count equal to its holders; no block is in
-    two places unless it is a full, hashed (prefix-shared) block; each live sequence matches its request."""
+    """Every block is free xor referenced, with a reference count equal to its holders (the sequences, and
+    the cache itself for each cached block); no block is in two places unless it is a full, hashed
+    (prefix-shared) block; every hash names a block that holds its tokens; each live sequence matches its
+    request."""
     c, a = engine.cache, engine.cache.allocator
     holders = [0] * a.num_blocks
     for table in c.tables.values():
         assert len(set(table)) == len(table)
         for b in table:
             holders[b] += 1
-    for b in engine.retained:
+    for b in c.cached:
         holders[b] += 1
-        assert b in c.block_hash and c.hash_to_block[c.block_hash[b]] == b
+        assert b in c.block_hash and c.hash_to_block[c.block_hash[b]] == b, f"cached block {b} cannot be found"
+        assert all(b not in t for t in c.tables.values()), f"cached block {b} is also in a table"
     assert holders == a.refcount
     free = a._free
     assert len(free) == len(set(free)) == a.num_free
     assert set(free) == {b for b in range(a.num_blocks) if holders[b] == 0}
+    assert set(c.block_hash) == set(c.block_key) and not set(free) & set(c.block_hash)
+    for h, b in c.hash_to_block.items():
+        assert c.block_hash[b] == h
     for b, n in enumerate(holders):
         if n > 1:
             assert b in c.block_hash, f"block {b} is held {n} times but is not a shared prefix block"
     running = {r.id for r in engine.running}
     assert set(c.tables) == running
+    bs = engine.config.block_size
     for r in engine.running:
         assert r.state == "running" and c.lens[r.id] == r.computed
-        assert len(c.tables[r.id]) == -(-r.computed // engine.config.block_size)
+        assert len(c.tables[r.id]) == -(-r.computed // bs)
         assert c.tokens[r.id] == r.tokens[: r.computed]
+        for i, b in enumerate(c.tables[r.id][: r.computed // bs]):  # a hashed block holds its tokens
+            if b in c.block_key:
+                assert c.block_key[b][1] == tuple(r.tokens[i * bs: (i + 1) * bs])
     for r in engine.waiting + engine.swapped:
         assert r.id not in c.tables
     assert len(running) <= engine.config.max_num_seqs
@@ -95,7 +105,7 @@ def test_mixed_lengths_and_chunked_prefill_are_token_identical(model):
     assert max(e["prefill_tokens"] + e["decode_tokens"] for e in ev) == 12
     computed = sum(e["prefill_tokens"] + e["decode_tokens"] for e in ev)
     assert computed == sum(len(p) + n - 1 for p, n in zip(prompts, news))  # no prefix hits, no preemption: each once
-    assert engine.cache.allocator.num_free + len(engine.retained) == 40  # finished requests freed their blocks
+    assert engine.cache.num_available == 40  # finished requests freed their blocks (full ones stay cached)
 
 
 def test_arrivals_while_others_decode(model):
@@ -267,12 +277,12 @@ def test_bad_engine_settings_are_refused(model):
         Engine(model, 0)
 
 
-def test_an_exception_inside_a_step_leaves_no_half_allocated_sequence(model):
+def test_an_exception_inside_a_step_leaves_every_request_as_it_was(model):
     model = copy.deepcopy(model)
     layer, calls = model.layers[1], {"n": 0}
     forward = layer.forward
 
-    def flaky(*args, **kw):  # the 4th forward call fails inside layer 1, after layer 0 reserved blocks
+    def flaky(*args, **kw):  # the 4th forward call fails inside layer 1, after layer 0 stored its K/V
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
@@ -282,11 +292,15 @@ def test_an_exception_inside_a_step_leaves_no_half_allocated_sequence(model):
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14], [15, 16]]
     engine = Engine(model, num_blocks=20, block_size=4, max_num_seqs=3, max_batched_tokens=6)
     ids = [engine.add_request(p, 5) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    before = {r.id: (r.state, r.computed, list(r.output)) for r in engine.requests.values()}
+    free = engine.cache.num_available
     with pytest.raises(KeyboardInterrupt):
-        for _ in range(10):
-            engine.step()
-    check_pool(engine)  # the interrupted sequences hold nothing and are waiting again
-    assert engine.waiting and all(r.computed == 0 for r in engine.waiting)
+        engine.step()
+    check_pool(engine)  # nothing half-written: the same requests, lengths, outputs and blocks as before
+    assert {r.id: (r.state, r.computed, list(r.output)) for r in engine.requests.values()} == before
+    assert engine.cache.num_available == free and "KeyboardInterrupt" in engine.events[-1]["error"]
     out = engine.run()
     assert [out[i] for i in ids] == [alone(model, p, 5) for p in prompts]
 
@@ -350,7 +364,7 @@ else:
         for k, want in expected.items():
             assert out[ids[k]] == want
         engine.drop_prefix_cache()
-        assert engine.cache.allocator.num_free == num_blocks and not engine.retained
+        assert engine.cache.allocator.num_free == num_blocks and not engine.cache.cached
 
 
 # ---- the tiered prefix store: host memory, then disk --------------------------------------
@@ -359,15 +373,20 @@ else:
 def check_tiers(engine):
     """The host tier holds at most host_blocks blocks, the disk tier exactly its files (at most
     disk_blocks of them); a block lives in at most one of the two, each with one block of tokens."""
-    cfg, bs = engine.config, engine.config.block_size
-    assert len(engine.host) <= cfg.host_blocks and len(engine.disk) <= cfg.disk_blocks
-    assert not set(engine.host) & set(engine.disk)
-    for tokens, k, v in engine.host.values():
-        assert len(tokens) == bs and k.shape == v.shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
+    cfg, bs, t = engine.config, engine.config.block_size, engine.cache.tiers
+    assert len(t.host) <= cfg.host_blocks and len(t.disk) <= cfg.disk_blocks
+    assert not set(t.host) & set(t.disk)
+    for key, k, v in t.host.values():
+        assert len(key[1]) == bs and k.shape == v.shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
     if cfg.disk_dir is not None:
         files = {f for f in os.listdir(cfg.disk_dir) if f.endswith(".safetensors")}
-        assert files == {os.path.basename(engine._block_file(h)) for h in engine.disk}
-        assert all(len(tokens) == bs for tokens in engine.disk.values())
+        assert files == {os.path.basename(t.block_file(h)) for h in t.disk}
+        assert all(len(key[1]) == bs for key in t.disk.values())
+
+
+def push_down(engine):
+    """Evict every cached device block (down to the tiers), as a busier pool would."""
+    engine.cache.evict_cached(len(engine.cache.cached))
 
 
 def rag_workload(seed=15):
@@ -399,7 +418,7 @@ def test_host_tier_brings_evicted_prefix_blocks_back(model):
     plain, ids0 = run_rag(model, prompts)
     tiered, ids = run_rag(model, prompts, host_blocks=24)
     assert [tiered.requests[i].output for i in ids] == want == [plain.requests[i].output for i in ids0]
-    assert all("tiers" not in ev for ev in plain.events) and not plain.host  # off by default
+    assert all("tiers" not in ev for ev in plain.events) and plain.cache.tiers is None  # off by default
     hits = tier_sums(tiered, ids)
     assert hits["host"] > 0 and hits["disk"] == 0 and tiered.tier_stats["host_hits"] * 4 == hits["host"]
     assert sum(tiered.metrics(i)["cached_tokens"] for i in ids) == sum(hits.values())
@@ -415,8 +434,8 @@ def test_host_tier_brings_evicted_prefix_blocks_back(model):
     tiered.drop_prefix_cache()
     r = tiered.add_request(docs[0] + [7], 2)
     tiered.run()
-    tiered._evict(-len(tiered._evictable()))  # demote its blocks to the host tier
-    assert not tiered.retained and len(tiered.host) == 6
+    push_down(tiered)  # demote its blocks to the host tier
+    assert not tiered.cache.cached and len(tiered.cache.tiers.host) == 6
     r = tiered.add_request(docs[0], 3)
     assert tiered.run()[r] == alone(model, docs[0], 3)
     assert tiered.metrics(r)["cached_tokens_host"] == 20 and tiered.metrics(r)["cached_tokens_device"] == 0
@@ -437,10 +456,10 @@ def test_disk_tier_round_trips_blocks_through_safetensors_files(model, tmp_path)
     assert max(ev["tiers"]["disk_blocks"] for ev in engine.events) == 10
     assert tier_sums(host_only, ids)["host"] < hits["host"] + hits["disk"]  # the disk kept what host had to drop
     with safe_open(str(files[0]), framework="pt") as f:  # a plain safetensors file: K and V, hash and tokens
-        assert set(f.keys()) == {"k", "v"} and set(f.metadata()) == {"hash", "tokens"}
+        assert set(f.keys()) == {"k", "v"} and set(f.metadata()) == {"hash", "key"}
         assert f.get_tensor("k").shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
     engine.drop_prefix_cache()
-    assert not list((tmp_path / "kv").iterdir()) and not engine.host and not engine.disk
+    assert not list((tmp_path / "kv").iterdir()) and not len(engine.cache.tiers)
 
 
 def test_admission_counts_the_blocks_a_tier_hit_needs(model):
@@ -448,8 +467,8 @@ def test_admission_counts_the_blocks_a_tier_hit_needs(model):
     engine = Engine(model, num_blocks=8, block_size=4, watermark=0.0, host_blocks=8)
     engine.add_request(doc + [1], 2)
     engine.run()
-    engine._evict(-len(engine._evictable()))  # the document's 4 blocks: device -> host
-    assert len(engine.host) == 4 and engine.cache.allocator.num_free == 8
+    push_down(engine)  # the document's 4 blocks: device -> host
+    assert len(engine.cache.tiers.host) == 4 and engine.cache.allocator.num_free == 8
     b = engine.add_request(list(range(40, 57)), 3)  # 17 tokens: 5 blocks, leaving 3
     assert engine.step()["admitted"] == [b]
     c = engine.add_request(doc + [2], 3)  # 4 blocks from the host + 1: does not fit beside b
@@ -507,10 +526,311 @@ if st is not None:
             if not engine.has_unfinished() and step > 24:
                 break
             if step % push_every == 0:
-                engine._evict(-len(engine._evictable()))  # device -> host (-> disk)
+                push_down(engine)  # device -> host (-> disk)
             engine.step()
             check_pool(engine)
             check_tiers(engine)
         assert not engine.has_unfinished()
         for i, want in expected.items():
             assert engine.requests[ids[i]].output == want
+
+
+# ---- one forward per step, logits only where a token is drawn -----------------------------
+
+
+def count_forwards(model):
+    """(calls, rows): model forwards, and the rows the output head computed in each."""
+    calls, rows = [], []
+    model.register_forward_hook(lambda m, args, kw_out=None: calls.append(1))
+    model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    return calls, rows
+
+
+def test_one_forward_per_step_and_logits_only_where_a_token_is_drawn(model):
+    model = copy.deepcopy(model)
+    calls, rows = count_forwards(model)
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(64, (L,), generator=g).tolist() for L in (3, 17, 9, 30, 2)]
+    want = [alone(model, p, 5) for p in prompts]
+    calls.clear(), rows.clear()
+    engine = Engine(model, num_blocks=40, block_size=4, max_num_seqs=4, max_batched_tokens=12)
+    arrivals = [(2 * i, dict(prompt_ids=p, max_new_tokens=5)) for i, p in enumerate(prompts)]
+    ids, out = run_checked(engine, arrivals)
+    assert [out[ids[i]] for i in range(5)] == want
+    computing = [ev for ev in engine.events if ev["scheduled"]]
+    assert len(calls) == engine.forwards == len(computing) == sum(ev["forwards"] for ev in engine.events)
+    assert any(ev["prefill_tokens"] and ev["decode_tokens"] for ev in computing), "no fused step was tried"
+    assert rows == [ev["sampled"] for ev in computing]  # the head ran once per token drawn, not per position
+    assert sum(rows) == 5 * 5 and sum(ev["prefill_tokens"] + ev["decode_tokens"] for ev in computing) > sum(rows)
+
+
+# ---- faults: compute first, commit after ---------------------------------------------------
+
+
+def snapshot(engine):
+    return {r.id: (r.state, r.computed, list(r.output), r.preemptions) for r in engine.requests.values()}
+
+
+def test_an_exception_while_sampling_moves_no_request(model, monkeypatch):
+    """Fault 1 of the review: a sampling error (NaN probabilities) after the forward. Seeded generators
+    are put back, so the retried step draws the same numbers and every output stays as it is alone."""
+    import kvlib.engine as eng
+
+    real, calls = eng.sample_next, {"n": 0}
+
+    def flaky(*args, **kw):  # the 3rd draw of a sampled token fails, after two generators moved on
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(eng, "sample_next", flaky)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [1]]
+    engine = Engine(model, num_blocks=24, block_size=4, max_num_seqs=4, max_batched_tokens=8)
+    ids = [engine.add_request(p, 6, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+    with pytest.raises(RuntimeError, match="nan"):
+        for _ in range(20):
+            before, avail = snapshot(engine), engine.cache.num_available
+            engine.step()
+    assert snapshot(engine) == before and engine.cache.num_available == avail
+    check_pool(engine)
+    out = engine.run()
+    assert [out[i] for i in ids] == [alone(model, p, 6, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+
+
+def damage(paths, how):
+    """Delete, truncate, or overwrite each file with another one's bytes (a rotation: none keeps its own)."""
+    paths = [p for p in paths if os.path.exists(p)]
+    if how == "overwritten":
+        data = [open(p, "rb").read() for p in paths]
+        for p, d in zip(paths, data[1:] + data[:1] if len(paths) > 1 else [b"not a safetensors file"]):
+            with open(p, "wb") as f:
+                f.write(d)
+    for p in paths:
+        if how == "deleted":
+            os.remove(p)
+        elif how == "truncated":
+            with open(p, "r+b") as f:
+                f.truncate(5)
+    return len(paths)
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "overwritten"])
+def test_a_damaged_disk_tier_file_is_a_miss(model, tmp_path, how, caplog):
+    """Fault 2: a disk-tier file deleted, truncated or overwritten between steps: the block is computed
+    again (a miss, logged and counted), the entry is dropped, and no step raises."""
+    docs, prompts = rag_workload()
+    engine = Engine(model, num_blocks=12, block_size=4, max_num_seqs=2, max_batched_tokens=16, host_blocks=2,
+                    disk_dir=tmp_path, disk_blocks=30)
+    ids = [engine.add_request(p, 4) for p in prompts]
+    damaged = 0
+    with caplog.at_level("WARNING", logger="kvlib.tiers"):
+        while engine.has_unfinished():
+            engine.step()
+            damaged += damage([engine.cache.tiers.block_file(h) for h in engine.cache.tiers.disk], how)  # all, each step
+            check_pool(engine)
+    assert damaged and engine.tier_stats["errors"] > 0 and engine.tier_stats["disk_hits"] == 0
+    assert caplog.text.count("treated as a miss") == engine.tier_stats["errors"]
+    assert [engine.requests[i].output for i in ids] == [alone(model, p, 4) for p in prompts]
+
+
+def test_a_failed_block_write_loses_that_copy_only(model, tmp_path, monkeypatch):
+    """Fault 3: save_file fails once (a full disk) while a block goes down to disk: that copy is dropped,
+    every device block stays accounted for, and the outputs are unchanged."""
+    import kvlib.tiers
+
+    real, calls = kvlib.tiers.save_file, {"n": 0}
+
+    def full_disk(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kvlib.tiers, "save_file", full_disk)
+    _, prompts = rag_workload()
+    engine, ids = run_rag(model, prompts, host_blocks=1, disk_dir=tmp_path, disk_blocks=20)
+    assert calls["n"] > 2 and engine.tier_stats["errors"] == 1
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # no half-written file left
+    assert [engine.requests[i].output for i in ids] == [alone(model, p, 4) for p in prompts]
+    engine.drop_prefix_cache()
+    assert engine.cache.allocator.num_free == 12  # no block lost
+
+
+def test_a_recompute_preempted_request_finds_its_own_blocks_again(model):
+    """Freed blocks keep their hash until reused (vLLM, nano-vllm): a preempted request's prompt blocks are
+    still in the pool when it comes back, so its re-prefill starts past them."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(64, (12,), generator=g).tolist() for _ in range(2)]
+    prefilled = {}
+    for caching in (True, False):
+        engine = Engine(model, num_blocks=9, block_size=4, max_num_seqs=2, max_batched_tokens=16, watermark=0.0,
+                        prefix_caching=caching)
+        ids = [engine.add_request(p, 14) for p in prompts]
+        _, out = run_checked(engine)
+        assert [out[i] for i in ids] == [alone(model, p, 14) for p in prompts]
+        r = engine.requests[ids[1]]
+        assert r.preemptions > 0 and (r.cached_tokens > 0) == caching, (r.preemptions, r.cached_tokens)
+        prefilled[caching] = sum(ev["prefill_tokens"] for ev in engine.events)
+    assert prefilled[True] < prefilled[False]
+
+
+def test_a_prefix_hit_compares_tokens_not_only_hashes(model):
+    engine = Engine(model, num_blocks=12, block_size=4)
+    a = engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], 2)
+    engine.run()
+    c = engine.cache
+    other = [11, 12, 13, 14, 15]
+    (h,) = kvlib.paged.chained_block_hashes(other, 4, 1)
+    c.hash_to_block[h] = c.hash_to_block[kvlib.paged.chained_block_hashes([1, 2, 3, 4], 4, 1)[0]]  # a collision
+    assert c.plan_prefix(other) == [] and c.lookup(other) == []
+    del c.hash_to_block[h]
+    b = engine.add_request(other, 3)
+    assert engine.run()[b] == alone(model, other, 3) and engine.metrics(b)["cached_tokens"] == 0
+    assert engine.metrics(a)["state"] == "finished"
+
+
+# ---- abort, streaming, stop tokens and strings, bounded logs -------------------------------
+
+
+def test_abort_frees_blocks_in_every_state(model):
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13], [14, 15]]
+    engine = Engine(model, num_blocks=6, block_size=4, max_num_seqs=2, max_batched_tokens=8, preemption="swap",
+                    watermark=0.0)
+    ids = [engine.add_request(p, 8) for p in prompts]
+    assert not engine.abort(ids[3]) or engine.requests[ids[3]].finish_reason == "abort"  # waiting
+    for _ in range(6):
+        engine.step()
+    states = {engine.requests[i].state for i in ids[:3]}
+    victim = next(i for i in ids[:3] if engine.requests[i].state in ("running", "swapped"))
+    assert engine.abort(victim) and not engine.abort(victim)
+    assert engine.requests[victim].state == "aborted" and victim not in engine.cache.tables
+    check_pool(engine)
+    out = engine.run()
+    for i, p in zip(ids, prompts):
+        if i not in (victim, ids[3]):
+            assert out[i] == alone(model, p, 8)
+    assert engine.metrics(ids[3])["finish_reason"] == "abort" and out[ids[3]] == []
+    assert "running" in states
+    engine.drop_prefix_cache()
+    assert engine.cache.allocator.num_free == 6
+    with pytest.raises(ValueError, match="unknown request"):
+        engine.abort(99)
+
+
+def test_stream_yields_each_token_once_in_order(model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    engine = Engine(model, num_blocks=20, block_size=4, max_num_seqs=2, max_batched_tokens=6)
+    ids = [engine.add_request(p, n) for p, n in zip(prompts, (4, 2, 5))]
+    got, reasons = {i: [] for i in ids}, {}
+    for rid, toks, reason in engine.stream():
+        assert rid not in reasons, "a token after the request finished"
+        got[rid] += toks
+        if reason is not None:
+            reasons[rid] = reason
+    assert [got[i] for i in ids] == [alone(model, p, n) for p, n in zip(prompts, (4, 2, 5))]
+    assert reasons == {i: "length" for i in ids}
+
+
+class CharTokenizer:
+    """Token t decodes to one letter: enough to test stop strings on the tiny model."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + int(t) % 26) for t in ids)
+
+
+def test_stop_tokens_and_stop_strings_end_a_request(model):
+    p = [9, 8, 7, 6]
+    full = alone(model, p, 10)
+    tok = CharTokenizer()
+    engine = Engine(model, num_blocks=20, block_size=4, tokenizer=tok)
+    r_tok = engine.add_request(p, 10, stop_token_ids=[full[3]])
+    stop = tok.decode(full[4:6])  # a string that the output completes at its 6th token (or earlier)
+    r_str = engine.add_request(p, 10, stop=[stop, "never-there"])
+    other = engine.add_request([1, 2, 3], 10)
+    out = engine.run()
+    assert out[r_tok] == full[: full.index(full[3]) + 1]
+    assert engine.metrics(r_tok)["finish_reason"] == "stop" and engine.metrics(other)["finish_reason"] == "length"
+    text = tok.decode(full)
+    end = text.index(stop) + len(stop)  # the token that completes the stop string is the last one
+    assert out[r_str] == full[:end] and engine.requests[r_str].text == text[: text.index(stop)]
+    assert out[other] == alone(model, [1, 2, 3], 10)
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        Engine(model, num_blocks=4, block_size=4).add_request(p, 3, stop=["x"])
+    with pytest.raises(TypeError, match="not one value"):
+        engine.add_request(p, 3, stop="x")
+    with pytest.raises(ValueError, match="stop_token_ids must lie in the vocabulary"):
+        engine.add_request(p, 3, stop_token_ids=[64])
+
+
+def test_logs_stay_bounded(model):
+    engine = Engine(model, num_blocks=20, block_size=4, max_num_seqs=1, max_events=5, max_finished=2)
+    ids = [engine.add_request([i + 1, i + 2], 3) for i in range(6)]
+    engine.run()
+    assert len(engine.events) == 5 and engine.events[-1]["step"] == engine.clock - 1
+    assert sorted(engine.requests) == ids[-2:]
+    assert engine.add_request([1], 1) == 6  # ids keep counting
+
+
+if st is not None:
+    fault_st = st.lists(st.tuples(st.sampled_from(["forward", "sample", "write", "file"]), st.integers(0, 12)),
+                        min_size=1, max_size=6)
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(num_blocks=st.integers(5, 10), max_num_seqs=st.integers(1, 3),
+           preemption=st.sampled_from(["recompute", "swap"]), faults=fault_st,
+           requests=st.lists(tier_request_st, min_size=2, max_size=6))
+    def test_random_faults_leave_no_request_wrong_stuck_or_leaked(model, tmp_path_factory, num_blocks, max_num_seqs,
+                                                                  preemption, faults, requests):
+        """Random traces with faults injected at random points: a layer's forward or a sampled draw raising
+        (the step raises, the test carries on stepping), a block write failing, a block file damaged. After
+        every step the pool and tier invariants hold; at the end every request has the tokens it gets alone
+        and the pool is whole."""
+        from unittest import mock
+
+        import kvlib.engine as eng
+        import kvlib.tiers
+
+        flaky_model = copy.deepcopy(model)
+        counters = dict.fromkeys(["forward", "sample", "write"], 0)
+        due = {kind: {at for k, at in faults if k == kind} for kind in counters}
+
+        def fault(kind):
+            counters[kind] += 1
+            if counters[kind] - 1 in due[kind]:
+                raise (OSError(28, "No space left on device") if kind == "write" else RuntimeError(f"{kind} fault"))
+
+        layer_forward = flaky_model.layers[0].forward
+        real_sample, real_save = eng.sample_next, kvlib.tiers.save_file
+        flaky_model.layers[0].forward = lambda *a, **k: (fault("forward"), layer_forward(*a, **k))[1]
+        disk_dir = tmp_path_factory.mktemp("kv")
+        engine = Engine(flaky_model, num_blocks, 2, max_num_seqs=max_num_seqs, max_batched_tokens=max_num_seqs + 4,
+                        preemption=preemption, watermark=0.0, host_blocks=1, disk_dir=disk_dir, disk_blocks=6)
+        expected, ids, raised = {}, {}, 0
+        for i, (at, base, tail, n, temperature) in enumerate(requests):
+            if -(-(len(base + tail) + n - 1) // 2) <= num_blocks:
+                expected[i] = alone(model, base + tail, n, temperature=temperature, seed=i if temperature else None)
+        with mock.patch.object(eng, "sample_next", lambda *a, **k: (fault("sample"), real_sample(*a, **k))[1]), \
+                mock.patch.object(kvlib.tiers, "save_file", lambda *a, **k: (fault("write"), real_save(*a, **k))[1]):
+            for step in range(400):
+                for i, (at, base, tail, n, temperature) in enumerate(requests):
+                    if at == step and i in expected:
+                        ids[i] = engine.add_request(base + tail, n, temperature, seed=i)
+                if not engine.has_unfinished() and step > 24:
+                    break
+                if step % 3 == 0:
+                    push_down(engine)
+                if ("file", step) in faults:
+                    damage([engine.cache.tiers.block_file(h) for h in engine.cache.tiers.disk], "truncated")
+                try:
+                    engine.step()
+                except RuntimeError as err:
+                    assert "fault" in str(err)
+                    raised += 1
+                check_pool(engine)
+                check_tiers(engine)
+        assert not engine.has_unfinished() and raised <= len(faults)
+        for i, want in expected.items():
+            assert engine.requests[ids[i]].output == want
+        engine.drop_prefix_cache()
+        assert engine.cache.allocator.num_free == num_blocks

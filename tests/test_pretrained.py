@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 from kvlib import pretrained  # noqa: E402
 from kvlib.generate import generate, generate_naive  # noqa: E402
+from kvlib.memory import spec  # noqa: E402
 from kvlib.model import CheckpointError, ModelConfig, Transformer, load_gguf, load_pretrained  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -285,6 +286,9 @@ def test_smollm2_config(smollm2):
     assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size, c.max_seq_len) == \
         (30, 576, 9, 3, 64, 49152, 8192)
     assert c.tie_embeddings and c.rope_theta == 100000.0 and c.n_rep == 3
+    m = spec("SmolLM2-135M")  # chapter 04's table agrees with the GGUF file (chapter 08 counts its head with it)
+    assert (m.vocab_size, m.max_context, m.tie_embeddings, m.hidden_size) == (c.vocab_size, c.max_seq_len, True, c.dim)
+    assert abs(sum(p.numel() for p in model.parameters()) / m.n_params - 1) < 0.01  # the tied table counted once
     assert tok.vocab_size == 49152 and tok.decode([tok.eos_id], skip_special_tokens=False) == "<|im_end|>"
 
 
