@@ -320,14 +320,10 @@ class Engine:
     def drop_prefix_cache(self) -> int:
         """Forget the cached blocks (those no running request holds), and empty the host and disk tiers;
         returns how many device blocks were dropped."""
-        c, n = self.cache, len(self.cache.cached)
-        tiers, c.tiers = c.tiers, None  # dropped, not demoted
-        try:
-            c.evict_cached(n)
-        finally:
-            c.tiers = tiers
-        if tiers is not None:
-            tiers.clear()
+        c = self.cache
+        n = c.evict_cached(len(c.cached), demote=False)
+        if c.tiers is not None:
+            c.tiers.clear()
         return n
 
     def metrics(self, request_id: int) -> dict:

@@ -563,14 +563,14 @@ class PagedKVCache:
             self.evict_cached(1)
         return self.allocator.allocate(n)
 
-    def evict_cached(self, n: int) -> int:
-        """Evict up to n cached blocks, least recently used first: each goes down to the tiers (if any, and
-        a failed write there only loses that copy), then its hash is forgotten and it is free. Returns how
-        many were evicted. Each eviction is whole: an exception leaves the block cached."""
+    def evict_cached(self, n: int, demote: bool = True) -> int:
+        """Evict up to n cached blocks, least recently used first: each goes down to the tiers (if any and
+        ``demote``; a failed write there only loses that copy), then its hash is forgotten and it is free.
+        Returns how many were evicted. Each eviction is whole: an exception leaves the block cached."""
         done = 0
         while done < n and self.cached:
             b = next(iter(self.cached))
-            if self.tiers is not None:
+            if self.tiers is not None and demote:
                 self.tiers.put(self.block_hash[b], self.block_key[b], self._block_kv(b))
             del self.cached[b]
             self.allocator.free(b)

@@ -96,6 +96,10 @@ ROWS = [
     Row("SmolLM2-135M-Instruct, 5 chat requests: the engine vs one request at a time (tokens/s)", "08_serving.ipynb",
         r"served the \d+ requests at \*\*(?P<e>[\d.]+) tokens/s\*\* against \*\*(?P<o>[\d.]+) tokens/s\*\*",
         "{e} vs {o}"),
+    Row("SmolLM2-135M-Instruct, 16 chat requests at once, 32 greedy tokens each (tokens/s): kvlib's engine / "
+        "transformers `generate_batch` / transformers padded `generate`, outputs token-identical", "08_serving.ipynb",
+        r"tokens/s: kvlib's engine \*\*(?P<k>[\d.]+)\*\*, transformers' `generate_batch` \*\*(?P<cb>[\d.]+)\*\*, "
+        r"padded `generate` \*\*(?P<st>[\d.]+)\*\*", "{k} / {cb} / {st}"),
     Row("SmolLM2-135M-Instruct, perplexity on code (1024 tokens, the second half scored), cache budget 5%: sliding window vs "
         "sinks + window (full cache)", "09_keeping_less.ipynb",
         r"the sliding window's perplexity is (?P<w>[\d.]+) and sinks \+ window's (?P<s>[\d.]+) \(full (?P<f>[\d.]+)\)",

@@ -144,7 +144,7 @@ EXACT = {
         (r"\*\*TPOT\*\*: static \d+\.\d\d / \d+\.\d\d, continuous \d+\.\d\d / \d+\.\d\d steps per token",
          "percentiles of integer step ratios"),
         (r"steps \([+-]\d+%\)", "ratio of two integer step counts"),
-        (r"(?m)^(ample pool|\d+ blocks, (recompute|swap))(\s+\d+){5}(\s+\d+\.\d\d){3}$",
+        (r"(?m)^(ample pool|\d+ blocks, (recompute|swap)( \+ prefix caching)?)(\s+\d+){6}(\s+\d+\.\d\d){3}$",
          "preemption table: integer counts, MiB = integer blocks x integer block bytes / 2**20, percentiles of integer "
          "TTFT/TPOT step counts"),
         (r"prefilling [\d,]+ tokens again \(\d+% of the trace's", "ratio of two integer token counts"),
@@ -159,7 +159,7 @@ EXACT = {
         (r"served \d+\.\d% of the prompt tokens from the cache", "integer cached / integer prompt tokens"),
         (r"TTFT median \d+\.\d vs \d+\.\d steps, p99 \d+\.\d vs \d+\.\d\.", "percentiles of integer TTFT step counts"),
         (r"never shared — is \d+\.\d%\.", "the ceiling: a ratio of integer token counts"),
-        (r"(?m)^(device only|\+ host \(\d+\)|\+ host \(\d+\) \+ disk \(\d+\))(\s+\d+\.\d{3}){4}(\s+\d+){3}(\s+\d+\.\d+){6}$",
+        (r"(?m)^(device only|\+ host \(\d+\)|\+ host \(\d+\) \+ disk \(\d+\))(\s+\d+\.\d{2,3}){4}(\s+\d+){3}(\s+\d+\.\d+){6}$",
          "tier table: hit shares = integer tokens / integer prompt tokens, integer counts, percentiles of integer "
          "step counts, MiB = integer bytes / 2**20"),
         (r"\(against \d+\.\d% with \d+ blocks above\)",
@@ -173,6 +173,8 @@ EXACT = {
          "percentiles of integer TTFT step counts"),
         (r"ceiling of \d+\.\d% counts", "a ratio of integer token counts"),
         (r"swap copied \d+\.\d+ MiB instead", "integer blocks x integer block bytes / 2**20"),
+        (r"raised RuntimeError\('probability tensor contains either inf, nan or element < 0'\)",
+         "the fixed text of the error the faults cell injects"),
         (r"hit rate \d+% on the RAG-like workload \(ceiling \d+%\)", "ratios of integer token counts"),
         (r"blocks \d+% on the device alone, \d+% with a host tier", "ratios of integer token counts"),
         (r"\d+% of the prompt tokens from disk", "a ratio of integer token counts"),
