@@ -58,7 +58,9 @@ def test_quick_run_checks_every_triton_kernel_against_its_baseline(quick_run):
     for kernel in ("triton add", "flash_attention", "decode (split-K auto)", "paged block 1",
                    "paged block 16", "paged block 128", "int8 decode (fused dequant)", "grouped decode",
                    "store_kv", "store_paged (block 16)", "store_kv_int8", "index decode, all S",
-                   "KIVI 2-bit decode") + (() if GPU else ("decode (4 splits)",)):
+                   "KIVI 2-bit decode", "ragged, decodes + chunk") + (() if GPU else (
+                       "decode (4 splits)", "ragged, decodes only", "paged decode (decodes only)",
+                       "paged decode + flash (2 calls)")):  # GPU smoke: a mixed step, its separate calls the baseline
         assert kernel in checked, kernel
 
 
@@ -180,6 +182,7 @@ TINY = {
     "memory": {"ctx": [128]},
     "engine": {"loads": [2], "requests": 1, "prompt": (5, 8), "output": (2, 3), "max_num_seqs": 2,
                "max_batched_tokens": 8, "block_size": 4, "num_blocks": 4},  # Triton in the interpreter: keep it tiny
+    "ragged": {"heads": [(4, 2, 32)], "decodes": [2], "chunk": [20, 0], "ctx": [40]},
 }
 ENGINE_TINY = {"loads": [0.5, 4], "requests": 4, "prompt": (8, 16), "output": (3, 6), "max_num_seqs": 2,
                "max_batched_tokens": 8, "block_size": 4, "num_blocks": 6}  # the CPU branch (PyTorch paths)
@@ -364,3 +367,51 @@ def test_engine_trace_is_seeded_skewed_and_the_same_requests_at_every_load():
     assert all(2 <= r["new"] <= 48 for r in a) and all(max(r["prompt"]) < 256 for r in a)
     times = [r["arrival"] for r in a]
     assert times[0] == 0 and times == sorted(times) and 0.7 < (times[-1] / (len(a) - 1)) < 1.3  # rate ~1 per step
+
+
+RAGGED_TINY = {"heads": [(4, 2, 32)], "decodes": [3], "chunk": [24, 0], "ctx": [40]}  # 40: a partly filled block
+
+
+@pytest.mark.skipif(GPU, reason="CPU shapes")
+def test_ragged_sweep_checks_the_fused_step_against_the_separate_calls_and_times_it_against_them(monkeypatch):
+    """A mixed step (3 decodes at S = 40, a 24-token chunk after 40 cached positions) and a decode-only step:
+    the fused call against the separate calls (the chunk's K/V contiguous; gathered in every call, as the
+    engine did), outputs compared, bytes = the step's unique K/V + q + output + tables; then the interpreter's
+    check of every Triton path against the reference, and a wrong fused output is a MISMATCH."""
+    ctx = sweeps.Ctx(quick=True)
+    ctx.sizes = {"ragged": RAGGED_TINY}
+    rows = sweeps.run(["ragged"], progress=False, ctx=ctx)
+    assert all(set(r) == set(results.COLUMNS) and r["sweep"] == "ragged" for r in rows)
+    timed = [r for r in rows if r["time_ms"] is not None]
+    assert [(r["T"], r["kernel"]) for r in timed] == [
+        (27, "paged decode + flash (2 calls) (ref)"), (27, "paged decode + gather + flash (engine before) (ref)"),
+        (27, "ragged, decodes + chunk (ref)"), (3, "paged decode (decodes only) (ref)"),
+        (3, "ragged, decodes only (ref)")]
+    H, H_KV, D = RAGGED_TINY["heads"][0]
+    B, S, C = 3, 40, 24
+    unique = 2 * (B * S + S + C) * H_KV * D * 4  # fp32 K/V of 3 decodes, the chunk's prefix and itself
+    mixed = unique + 2 * (B + C) * H * D * 4 + (B + 1) * 4 * 4  # q and output; 4 sequences x 4 blocks, int32
+    decodes = 2 * B * S * H_KV * D * 4 + 2 * B * H * D * 4 + B * 3 * 4  # 3 sequences x 3 blocks
+    gathered = 2 * 2 * (S + C) * H_KV * D * 4  # the engine's old path writes the chunk's K/V, then reads them
+    assert [r["bytes_moved"] for r in timed] == [mixed, mixed + gathered, mixed, decodes, decodes]
+    for r in timed:
+        assert (r["B"], r["S"], r["H"], r["H_KV"], r["D"], r["block_size"]) == (B, S, H, H_KV, D, 16), r
+        assert r["status"] == "ok" and r["gbps"] > 0 and r["tflops"] > 0 and r["headline"] == 0, r
+        first = r["kernel"].startswith(("paged decode + flash", "paged decode (decodes"))
+        assert (r["baseline"] is None) == first and (r["vs_baseline"] is None) == first, r
+        assert first or r["max_abs_err"] < 1e-4, r
+    assert timed[2]["tflops"] * timed[2]["time_ms"] * 1e9 == pytest.approx(4 * H * D * (B * S + C * S + C * C / 2))
+    checks = [r for r in rows if r["status"] == "correctness only (interpreter)"]
+    assert {r["kernel"] for r in checks} == {"paged decode + flash (2 calls)", "ragged, decodes + chunk",
+                                             "paged decode + gather + flash (engine before)",
+                                             "paged decode (decodes only)", "ragged, decodes only"}
+    assert all(r["max_abs_err"] is not None and r["baseline"] == "ragged_paged_attention_ref" for r in checks)
+
+    import kvlib.ragged
+
+    ref = kvlib.ragged.ragged_paged_attention_ref
+    monkeypatch.setattr(kvlib.ragged, "ragged_paged_attention_ref", lambda *a: ref(*a) + 1)
+    ctx.sizes = {"ragged": {**RAGGED_TINY, "chunk": [24]}}
+    wrong = {r["kernel"]: r["status"] for r in sweeps.run(["ragged"], progress=False, ctx=ctx) if r["time_ms"]}
+    assert wrong["ragged, decodes + chunk (ref)"].startswith("MISMATCH")
+    assert wrong["paged decode + gather + flash (engine before) (ref)"] == "ok"

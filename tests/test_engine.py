@@ -496,6 +496,20 @@ def test_bad_tier_settings_are_refused(model, tmp_path):
         Engine(model, 8, host_blocks=2.5)
 
 
+def expected_outputs(model, requests, num_blocks, block_size=2):
+    """{index: tokens alone} for the (arrival, base, tail, n, temperature) requests that fit the pool."""
+    return {i: alone(model, base + tail, n, temperature=temperature, seed=i if temperature else None)
+            for i, (at, base, tail, n, temperature) in enumerate(requests)
+            if -(-(len(base + tail) + n - 1) // block_size) <= num_blocks}
+
+
+def add_arrivals(engine, requests, expected, ids, step):
+    """Add the requests arriving at ``step`` (seeded by their index), noting their ids."""
+    for i, (at, base, tail, n, temperature) in enumerate(requests):
+        if at == step and i in expected:
+            ids[i] = engine.add_request(base + tail, n, temperature, seed=i)
+
+
 if st is not None:
     # requests spread over time, so that finished ones leave blocks to evict and later ones to find
     tier_request_st = st.tuples(st.integers(0, 24), st.sampled_from(BASES), st.lists(st.integers(0, 63), max_size=3),
@@ -515,14 +529,9 @@ if st is not None:
         engine = Engine(model, num_blocks, 2, max_num_seqs=max_num_seqs, max_batched_tokens=max_num_seqs + 4,
                         preemption=preemption, watermark=0.0, disk_dir=disk_dir, disk_blocks=disk_blocks,
                         host_blocks=host_blocks if host_blocks or disk_blocks else 1)  # some tier, always
-        expected, ids = {}, {}
-        for i, (at, base, tail, n, temperature) in enumerate(requests):
-            if -(-(len(base + tail) + n - 1) // 2) <= num_blocks:
-                expected[i] = alone(model, base + tail, n, temperature=temperature, seed=i if temperature else None)
+        expected, ids = expected_outputs(model, requests, num_blocks), {}
         for step in range(300):
-            for i, (at, base, tail, n, temperature) in enumerate(requests):
-                if at == step and i in expected:
-                    ids[i] = engine.add_request(base + tail, n, temperature, seed=i)
+            add_arrivals(engine, requests, expected, ids, step)
             if not engine.has_unfinished() and step > 24:
                 break
             if step % push_every == 0:
@@ -806,16 +815,11 @@ if st is not None:
         disk_dir = tmp_path_factory.mktemp("kv")
         engine = Engine(flaky_model, num_blocks, 2, max_num_seqs=max_num_seqs, max_batched_tokens=max_num_seqs + 4,
                         preemption=preemption, watermark=0.0, host_blocks=1, disk_dir=disk_dir, disk_blocks=6)
-        expected, ids, raised = {}, {}, 0
-        for i, (at, base, tail, n, temperature) in enumerate(requests):
-            if -(-(len(base + tail) + n - 1) // 2) <= num_blocks:
-                expected[i] = alone(model, base + tail, n, temperature=temperature, seed=i if temperature else None)
+        expected, ids, raised = expected_outputs(model, requests, num_blocks), {}, 0
         with mock.patch.object(eng, "sample_next", lambda *a, **k: (fault("sample"), real_sample(*a, **k))[1]), \
                 mock.patch.object(kvlib.tiers, "save_file", lambda *a, **k: (fault("write"), real_save(*a, **k))[1]):
             for step in range(400):
-                for i, (at, base, tail, n, temperature) in enumerate(requests):
-                    if at == step and i in expected:
-                        ids[i] = engine.add_request(base + tail, n, temperature, seed=i)
+                add_arrivals(engine, requests, expected, ids, step)
                 if not engine.has_unfinished() and step > 24:
                     break
                 if step % 3 == 0:

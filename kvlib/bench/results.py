@@ -30,7 +30,7 @@ __all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "
            "NO_REFERENCE"]
 
 COLUMNS = [
-    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory, engine
+    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory, engine, keepless, ragged
     "kernel",  # what ran (a Triton kernel, a PyTorch path, SDPA...)
     "B", "H", "H_KV", "S", "T", "D",  # shape glossary of the course (T: new tokens, S: cached length)
     "block_size",  # positions per cache block (paged rows)
@@ -199,6 +199,8 @@ TARGETS = [
     ("store", "store_kv", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, ≥ 16K tokens"),
     ("store", "store_paged (block 16)", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, ≥ 16K tokens"),
     ("store", "store_kv_int8", "pct_copy_bw", 75.0, {}, "≥ 75% of copy bandwidth, ≥ 16K tokens"),
+    ("ragged", "ragged, decodes + chunk", "vs_baseline", None, {}, "(no target yet: vs the 2 separate calls)"),
+    ("ragged", "ragged, decodes only", "vs_baseline", None, {}, "(no target yet: vs paged decode)"),
 ]
 
 
@@ -272,6 +274,8 @@ PLOTS = {
     "grouped": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel", "H", "H_KV"), True),
     "store": ("T", "pct_copy_bw", "new tokens written T", "% of measured copy bandwidth", ("kernel",), False),
     "keepless": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel",), True),
+    "ragged": ("S", "time_ms", "context length S of each decode (tokens)", "attention time per step (ms)",
+               ("kernel", "T"), True),
     "memory": ("S", "memory_bytes", "context length S (tokens)", "bytes held (4 layers, batch 1)", ("kernel",), True),
     "engine": ("load", "tokens_per_s", "load (requests arriving per engine step, Poisson mean)",
                "generated tokens/s (wall clock, tiny model)", ("kernel",), False),

@@ -13,7 +13,13 @@ result row (see ``results.COLUMNS``).
   once in the interpreter at a small awkward shape, for correctness only (no time: the interpreter's
   speed says nothing about the kernel's).
 
-Sweeps, in run order: copy (the roofline), decode, paged, int8, grouped, store, prefill, memory, engine.
+Sweeps, in run order: copy (the roofline), decode, paged, int8, grouped, store, prefill, memory, engine,
+keepless, ragged.
+
+The ragged sweep times one serving step's attention (B decodes and a prefill chunk of C tokens of B + 1
+sequences, end to end) as one fused ``kvlib.ragged.ragged_paged_attention`` call against the separate calls
+the engine made before (``paged_decode_attention`` for the decodes, ``flash_attention`` for the chunk), and a
+decode-only step against ``paged_decode_attention`` alone (see ``ragged``).
 
 The engine sweep is not a kernel: it serves one seeded trace of requests (Poisson arrivals, skewed
 prompt and output lengths) through ``kvlib.engine.Engine`` with the tiny model at several loads, and
@@ -48,6 +54,8 @@ K = 1024
 # What each sweep measures, per run kind: "gpu" (the full run), "gpu_quick" (--quick on a GPU) and "cpu"
 # (the timed PyTorch paths; each Triton kernel also runs once at a small shape in the interpreter).
 # heads: (H, H_KV, D); batch: B; ctx: cached length S; tokens: new tokens T written; mib: buffer sizes.
+# ragged: decodes = B sequences decoding one token each at context S; chunk = the step's prefill chunk C (after
+# S cached positions; 0: a decode-only step); --smoke runs the first chunk size, so a mixed step.
 WORKLOADS = {
     "gpu": {
         "copy": {"mib": [1, 4, 16, 64, 256, 1024]},
@@ -55,6 +63,8 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
+        "ragged": {"heads": HEADS[:1], "decodes": [8, 32], "chunk": [512, 2 * K, 0],
+                   "ctx": [1 * K, 4 * K, 16 * K, 32 * K]},
         "grouped": {"heads": HEADS[:2], "batch": [1, 8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "store": {"tokens": [1 * K, 4 * K, 16 * K, 64 * K]},
         "prefill": {"heads": HEADS, "batch": [1], "ctx": [1 * K, 2 * K, 4 * K, 8 * K, 16 * K]},
@@ -68,6 +78,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
+        "ragged": {"heads": HEADS[:1], "decodes": [8], "chunk": [512, 0], "ctx": [4 * K, 16 * K]},
         "grouped": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "store": {"tokens": [16 * K, 64 * K]},
         "prefill": {"heads": HEADS[:1], "batch": [1], "ctx": [4 * K, 16 * K]},
@@ -81,6 +92,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "int8": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "ragged": {"heads": [(8, 2, 64)], "decodes": [4], "chunk": [128, 0], "ctx": [512, 2 * K]},  # O(C * S) chunk
         "grouped": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "store": {"tokens": [1 * K, 4 * K, 16 * K]},
         "prefill": {"heads": [(8, 2, 64)], "batch": [1], "ctx": [256, 512, 1 * K]},  # CPU attention is O(S^2)
@@ -563,6 +575,20 @@ def memory(ctx: Ctx) -> Iterator[Point]:
 # --------------------------------------------------------------------------------------------
 
 
+def _one_thread(fn):
+    """fn with one torch thread (CPU timing): on a 2-core machine busy elsewhere, a second thread makes a CPU
+    attention call up to 50x slower at random (measured: 5 ms calls timed at 250 ms), and an engine step up to
+    10x, which would be the curve and the ratios."""
+    def wrapped():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(threads)
+    return wrapped
+
+
 def engine_trace(w: dict, vocab_size: int, seed: int = 0) -> list[dict]:
     """The sweep's trace at load 1: per request its prompt (token ids), new tokens and arrival time in
     engine steps. Lengths are log-normal (sigma 0.8: most short, a few long) around w's medians, at
@@ -668,22 +694,7 @@ def engine(ctx: Ctx) -> Iterator[Point]:
                 "ttft_p99_ms": _quantile(ttft, 0.99), "tpot_p50_ms": _quantile(tpot, 0.5),
                 "tpot_p99_ms": _quantile(tpot, 0.99), "status": status, **more}
 
-    def one_thread(fn):
-        """CPU: time with one torch thread (a second thread on a 2-core machine that is busy elsewhere
-        makes a step up to 10x slower, which would be the curve instead of the engine)."""
-        def wrapped():
-            if ctx.gpu:
-                return fn()
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                return fn()
-            finally:
-                torch.set_num_threads(threads)
-        return wrapped
-
     for load in w["loads"]:
-        @one_thread
         def build(load=load):
             st = setup()
             trace, alone = st["trace"], st["alone"]
@@ -697,6 +708,8 @@ def engine(ctx: Ctx) -> Iterator[Point]:
                       vs_baseline=tokens / wall / static["tokens_per_s"])
             return [static, eng]
 
+        if not ctx.gpu:  # CPU: one torch thread (see _one_thread)
+            build = _one_thread(build)
         yield Point("engine", {"B": w["max_num_seqs"], "block_size": w["block_size"],
                                "dtype": _dt(torch.float32)}, build, curve=("engine",), timed=False,
                     extra={"load": float(load), "requests": w["requests"]})
@@ -773,8 +786,128 @@ def keepless(ctx: Ctx) -> Iterator[Point]:
         yield point(8, 2, 64, 2, 320, ctx.check_dtype, False)
 
 
+# --------------------------------------------------------------------------------------------
+# ragged (chapter 08): one fused call per serving step vs the separate calls it replaces
+# --------------------------------------------------------------------------------------------
+
+
+def _ragged_step(ctx, H, H_KV, D, bs, dec_lens, chunk, past, dtype):
+    """A serving step over one block pool: a decode token for each of len(dec_lens) sequences (sequence i
+    holds dec_lens[i] positions, its new token included), then, when chunk > 0, one prefill chunk of ``chunk``
+    tokens after ``past`` cached positions; every sequence's blocks at random places in the pool, its K/V
+    (the new tokens' included) already stored. Returns q (N, H, D), the pools, block tables (-1 where
+    unused), cu_seqlens_q and seq_lens, as ``ragged_paged_attention`` takes them."""
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    lens = list(dec_lens) + ([past + chunk] if chunk else [])
+    counts = [1] * len(dec_lens) + ([chunk] if chunk else [])
+    n_blocks = [-(-L // bs) for L in lens]
+    perm = torch.randperm(sum(n_blocks), device=ctx.device, generator=gen).to(torch.int32)
+    tables = torch.full((len(lens), max(n_blocks)), -1, dtype=torch.int32, device=ctx.device)
+    for i, (start, nb) in enumerate(zip([0, *torch.tensor(n_blocks).cumsum(0).tolist()], n_blocks)):
+        tables[i, :nb] = perm[start:start + nb]
+    kb, vb = (_randn(sum(n_blocks), bs, H_KV, D, dtype=dtype, device=ctx.device, gen=gen) for _ in range(2))
+    q = _randn(sum(counts), H, D, dtype=dtype, device=ctx.device, gen=gen)
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=ctx.device)
+    return q, kb, vb, tables, cu, torch.tensor(lens, dtype=torch.int32, device=ctx.device)
+
+
+def _gather_seq(k_blocks, v_blocks, table, L):
+    """One sequence's first L positions out of the pools, (1, H_KV, L, D) views of gathered copies: what the
+    engine's prefill branch did before the fused step (``paged._PagedBatch.attend``)."""
+    bs = k_blocks.shape[1]
+    pos = torch.arange(L, device=k_blocks.device)
+    blocks = table.long()[pos // bs]
+    return (k_blocks[blocks, pos % bs].permute(1, 0, 2)[None], v_blocks[blocks, pos % bs].permute(1, 0, 2)[None])
+
+
+def ragged(ctx: Ctx) -> Iterator[Point]:
+    """The fused step (``kvlib.ragged.ragged_paged_attention``: B decodes and a prefill chunk in one call) against
+    the calls the engine made before it: ``paged_decode_attention`` for the decodes, then causal
+    ``flash_attention`` for the chunk over its K/V. The baseline gets the chunk's K/V as a contiguous copy made
+    before the timing (the separate kernels at their best); a second row times the engine's old path whole,
+    gathering them out of the pool in every call. Decode-only steps (no chunk: the common case) compare the fused
+    call with ``paged_decode_attention`` alone. Every output is checked against the baseline's.
+
+    Shape columns: B decodes, each at context S (its new token included); the chunk (C tokens) follows
+    P = S cached positions; T = the step's new tokens B + C (B without a chunk). Bytes: the unique K/V of the
+    step (B * S + P + C positions) read once, q read, the output written, the block tables; the engine's old path
+    adds the gathered copy of the chunk's K/V (written, then read). tflops: 4 * H * D * (B * S + C * P + C^2 / 2)
+    (as ``prefill_flops``, causal counted as half the dense square). CPU: the timed PyTorch paths run with one
+    torch thread (``_one_thread``), as the engine sweep's do."""
+    from ..attention import attention_ref, flash_attention
+    from ..paged import paged_decode_attention, paged_decode_attention_ref
+    from ..ragged import ragged_paged_attention, ragged_paged_attention_ref
+
+    def point(H, H_KV, D, dec_lens, chunk, past, dtype, timed, bs=16):
+        B, S, past = len(dec_lens), max(dec_lens), past if chunk else 0  # no chunk: no cached prefix of one
+        kernels = ctx.gpu or not timed  # the Triton kernels (CPU: once, in the interpreter, untimed)
+        elt = torch.empty((), dtype=dtype).element_size()
+        kv = 2 * (sum(dec_lens) + past + chunk) * H_KV * D * elt  # the step's unique K/V
+        chunk_kv = 2 * (past + chunk) * H_KV * D * elt
+        N = B + chunk
+
+        def build():
+            q, kb, vb, tables, cu, lens = _ragged_step(ctx, H, H_KV, D, bs, dec_lens, chunk, past, dtype)
+            nbytes = kv + 2 * q.nbytes + tables.nbytes
+            dec = paged_decode_attention if kernels else paged_decode_attention_ref
+            att = flash_attention if kernels else attention_ref
+            fused = ragged_paged_attention if kernels else ragged_paged_attention_ref
+            sfx = "" if kernels else " (ref)"
+            ks = {}
+            if not timed:  # the interpreter's point: every timed name checked against the reference
+                ks["ragged_paged_attention_ref"] = Kernel(
+                    lambda: ragged_paged_attention_ref(q, kb, vb, tables, cu, lens), False, nbytes)
+            q_dec, t_dec, lens_dec = q[:B], tables[:B, :-(-S // bs)].contiguous(), lens[:B]
+            if not chunk:
+                ks[f"paged decode (decodes only){sfx}"] = Kernel(lambda: dec(q_dec, kb, vb, t_dec, lens_dec), kernels,
+                                                                 nbytes)
+                ks[f"ragged, decodes only{sfx}"] = Kernel(lambda: fused(q, kb, vb, tables, cu, lens), kernels, nbytes)
+                return ks
+            q_chunk = q[B:].transpose(0, 1)[None]  # (1, H, C, D), a view of the chunk's rows
+            k_c, v_c = (t.contiguous() for t in _gather_seq(kb, vb, tables[B], past + chunk))
+            out = {}
+
+            def separate(k_chunk, v_chunk):
+                out["dec"] = dec(q_dec, kb, vb, t_dec, lens_dec)
+                out["chunk"] = att(q_chunk, k_chunk, v_chunk, causal=True)
+
+            def both():  # the two calls' outputs as the fused call lays them out: (N, H, D)
+                return torch.cat([out["dec"], out["chunk"][0].transpose(0, 1)])
+
+            ks[f"paged decode + flash (2 calls){sfx}"] = Kernel(lambda: separate(k_c, v_c), kernels, nbytes,
+                                                                result=both)
+            ks[f"paged decode + gather + flash (engine before){sfx}"] = Kernel(
+                lambda: separate(*_gather_seq(kb, vb, tables[B], past + chunk)), kernels, nbytes + 2 * chunk_kv,
+                result=both)
+            ks[f"ragged, decodes + chunk{sfx}"] = Kernel(lambda: fused(q, kb, vb, tables, cu, lens), kernels, nbytes)
+            return ks
+
+        def built():
+            ks = build()
+            if timed and not ctx.gpu:
+                for k in ks.values():
+                    k.fn = _one_thread(k.fn)
+            return ks
+
+        flops = 4 * H * D * (sum(dec_lens) + chunk * past + chunk * chunk / 2)
+        return Point("ragged", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": N, "D": D, "block_size": bs,
+                                "dtype": _dt(dtype)}, built, curve=("ragged", H, H_KV, D, B, chunk, timed),
+                     headline=timed and kv >= HEADLINE_KV_BYTES, flops=flops if timed else None,
+                     need_bytes=int(1.1 * kv) + 4 * chunk_kv + 4 * N * H * D * elt, timed=timed)
+
+    w = ctx.sizes["ragged"]
+    for H, H_KV, D in w["heads"]:
+        for B in w["decodes"]:
+            for C in w["chunk"]:
+                for S in w["ctx"]:
+                    yield point(H, H_KV, D, [S] * B, C, S, ctx.dtype, True)
+    if not ctx.gpu:  # ragged lengths, partly filled last blocks, a chunk after a cached prefix; then decodes alone
+        yield point(4, 2, 40, [37, 100, 201], 45, 70, ctx.check_dtype, False)
+        yield point(4, 2, 40, [37, 100, 201], 0, 0, ctx.check_dtype, False)
+
+
 SWEEPS = {"copy": copy, "decode": decode, "paged": paged, "int8": int8, "grouped": grouped, "store": store,
-          "prefill": prefill, "memory": memory, "engine": engine, "keepless": keepless}
+          "prefill": prefill, "memory": memory, "engine": engine, "keepless": keepless, "ragged": ragged}
 
 
 # --------------------------------------------------------------------------------------------
