@@ -46,9 +46,13 @@ cached ones, which are evicted, least recently used first, when a fresh block is
    whose tokens are all computed (each with its own generator). Only when all of that succeeded do the
    requests move on: a request finishes on ``eos_id``, a stop token or string, or after
    ``max_new_tokens``, and frees its blocks at once.
-An exception anywhere in ``step()`` (the forward, a sample, a tier's file, even KeyboardInterrupt) leaves
-every request either as it was before the step or cleanly back in the queue, and every block accounted
-for; the exception is raised and the next ``step()`` carries on.
+An exception raised by the work of ``step()`` (the forward, a sample, a stop-string decode, a tier's copy
+or file, or a KeyboardInterrupt arriving during the forward or the sampling) leaves every request either
+as it was before the step or cleanly back in the queue, and every block accounted for; the exception is
+raised and the next ``step()`` carries on. A request whose own sampling fails ``MAX_SAMPLE_FAILURES``
+steps in a row (logits that are not numbers, say) ends with finish_reason "error" instead, so that it cannot stall the
+others. (An interrupt that lands inside the engine's own bookkeeping, between two Python lines, is not
+covered: no Python program can make that atomic.)
 
 >>> from kvlib.generate import generate
 >>> from kvlib.model import ModelConfig, Transformer
@@ -83,7 +87,9 @@ from .generate import _check_sampling, check_prompt_fits, sample_next
 from .paged import PagedKVCache
 from .tiers import TIER_COUNTERS, HostDiskTiers
 
-__all__ = ["Engine", "EngineConfig", "Request", "TIER_COUNTERS"]
+__all__ = ["Engine", "EngineConfig", "Request", "TIER_COUNTERS", "MAX_SAMPLE_FAILURES"]
+
+MAX_SAMPLE_FAILURES = 3  # a request whose sampling raises this many steps in a row ends with "error"
 
 
 @dataclass
@@ -146,12 +152,14 @@ class Request:
     stop: tuple = ()  # strings that end the request once the decoded output contains one
     output: list[int] = field(default_factory=list)  # generated token ids
     state: str = "waiting"  # "waiting" | "running" | "swapped" | "finished" | "aborted"
-    finish_reason: str | None = None  # "stop" (eos, a stop token or string), "length" or "abort"
+    finish_reason: str | None = None  # "stop" (eos, a stop token or string), "length", "abort" or "error"
+    error: str | None = None  # with finish_reason "error": why its sampling failed
     text: str | None = None  # with stop strings: the decoded output, cut before the stop string
     computed: int = 0  # tokens of prompt + output whose K/V are in the cache (or in `host`)
     generator: torch.Generator | None = None  # this request's own sampling generator (from seed)
     host: list | None = None  # swapped-out K/V: per layer (k, v), each (n_blocks, block_size, H_KV, D)
     preemptions: int = 0
+    sample_failures: int = 0  # steps in a row whose draw for this request raised
     cached_tokens: int = 0  # positions served by the prefix cache instead of computed (all admissions)
     cached_tokens_host: int = 0  # of cached_tokens, those copied back from the host tier
     cached_tokens_disk: int = 0  # of cached_tokens, those read back from the disk tier
@@ -214,6 +222,7 @@ class Engine:
                                             prefix_caching=prefix_caching, retain_freed=prefix_caching, tiers=tiers)
         self.requests: dict[int, Request] = {}  # requests by id (= arrival order); finished ones up to max_finished
         self._finished: deque = deque()  # ids of finished / aborted requests still in self.requests, oldest first
+        self._aborted: list = []  # aborted since the last step, for stream()
         self._next_id = 0
         self.waiting: list[Request] = []  # sorted by id
         self.swapped: list[Request] = []  # sorted by id
@@ -280,6 +289,8 @@ class Engine:
         tokens it has and ends with finish_reason "abort". False if it had already ended."""
         r = self.requests.get(request_id)
         if r is None:
+            if isinstance(request_id, int) and 0 <= request_id < self._next_id:
+                return False  # ended long ago (dropped from the log by max_finished)
             raise ValueError(f"abort: unknown request {request_id!r}")
         if r.state in ("finished", "aborted"):
             return False
@@ -292,6 +303,7 @@ class Engine:
         else:
             self.waiting.remove(r)
         self._end(r, "aborted", "abort")
+        self._aborted.append(r.id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -307,13 +319,20 @@ class Engine:
 
     def stream(self):
         """Step until every request has ended, yielding (request id, new token ids, finish_reason or None)
-        for each request that got tokens in a step (and for each that ended without one: an abort),
-        as soon as that step is done."""
-        while self.has_unfinished():
+        for each request that got tokens in a step, as soon as that step is done, and (id, [], reason) for one
+        that ended without a token (aborted between steps, or failed)."""
+        while True:
+            while self._aborted:
+                yield self._aborted.pop(0), [], "abort"
+            if not self.has_unfinished():
+                return
             ev = self.step()
+            reasons = ev["finish_reasons"]
             for rid, toks in ev["emitted"].items():
-                r = self.requests.get(rid)
-                yield rid, toks, (r.finish_reason if rid in ev["finished"] and r is not None else None)
+                yield rid, toks, reasons.get(rid)
+            for rid, reason in reasons.items():
+                if rid not in ev["emitted"]:
+                    yield rid, [], reason
             if not (ev["scheduled"] or ev["admitted"] or ev["swapped_in"] or ev["finished"]):
                 raise RuntimeError(f"step {ev['step']} made no progress: {ev}")
 
@@ -353,13 +372,15 @@ class Engine:
 
         Returns the step's event, also appended to ``self.events``: ``step``; request ids
         ``admitted``, ``swapped_in``, ``preempted``, ``finished``; ``scheduled`` {id: tokens computed};
-        ``emitted`` {id: [new token ids]}; ``prefill_tokens``, ``decode_tokens``, ``sampled`` (rows of the
+        ``emitted`` {id: [new token ids]}; ``finish_reasons`` {id: reason} of the requests that ended;
+        ``prefill_tokens``, ``decode_tokens``, ``sampled`` (rows of the
         output head), ``forwards`` (0 or 1); after the step, counts ``running``, ``waiting``, ``swapped``,
         ``free_blocks`` (in the allocator), ``cached_blocks`` (kept for reuse); ``wall_s``; ``error``
         (the exception's text, if the step raised); with a host or disk tier also ``tiers``: this step's
         TIER_COUNTERS and the blocks held after it, ``host_blocks`` and ``disk_blocks``."""
         ev = dict(step=self.clock, admitted=[], swapped_in=[], preempted=[], finished=[], scheduled={},
-                  emitted={}, prefill_tokens=0, decode_tokens=0, sampled=0, forwards=0)
+                  emitted={}, finish_reasons={}, prefill_tokens=0, decode_tokens=0, sampled=0, forwards=0)
+        self._aborted.clear()  # stream() has seen them
         before = self.tier_stats
         t0 = time.perf_counter()
         try:
@@ -457,11 +478,10 @@ class Engine:
         return work
 
     def _compute(self, work, ev):
-        """Compute first: one forward over every scheduled token, then the samples. Commit after: only
-        when everything succeeded do sequences, requests and generators move on."""
+        """Compute first: one forward over every scheduled token, the samples, the stop decisions. Commit
+        after: only when all of that succeeded do sequences, requests and generators move on."""
         c, dev = self.cache, self.model.device
         chunks = [r.tokens[r.computed: r.computed + n] for r, n in work]
-        view = c.ragged([r.id for r, _ in work], chunks)  # reserves the slots, all-or-nothing
         samplers, rows, end = [], [], 0  # requests that draw a token this step, and their rows
         for (r, n), chunk in zip(work, chunks):
             end += n
@@ -469,15 +489,19 @@ class Engine:
                 samplers.append(r)
                 rows.append(end - 1)
         states = [(r, r.generator.get_state()) for r in samplers if r.generator is not None]
+        view = None
         try:
+            view = c.ragged([r.id for r, _ in work], chunks)  # reserves the slots, all-or-nothing
             ids = torch.tensor([[t for chunk in chunks for t in chunk]], device=dev)  # (1, N)
             self.forwards += 1
             ev["forwards"] = 1
             logits = self.model(ids, positions=view.positions, cache=view,
                                 logits_index=torch.tensor(rows, dtype=torch.long, device=dev))[0]  # (len(rows), V)
-            new = self._sample(samplers, logits)
+            new, failed = self._sample(samplers, logits)
+            decisions = [self._decide(r, token) for r, token in zip(samplers, new)]  # may decode (stop strings)
         except BaseException:
-            view.rollback()  # the reserved blocks go back; no request moved
+            if view is not None:
+                view.rollback()  # the reserved blocks go back; no request moved
             for r, state in states:
                 r.generator.set_state(state)  # a retried step draws the same numbers
             raise
@@ -485,42 +509,63 @@ class Engine:
         for r, n in work:
             r.computed += n
         ev["sampled"] = len(samplers)
-        for r, token in zip(samplers, new):
-            self._emit(r, token, ev)
+        for r, token, (reason, text) in zip(samplers, new, decisions):
+            if r.id in failed:
+                self._finish(r, ev, "error")
+            else:
+                r.sample_failures = 0
+                self._emit(r, token, reason, text, ev)
 
-    def _sample(self, samplers, logits) -> list[int]:
-        """One token per sampling request from its row of logits: the greedy ones in one argmax."""
-        out = [None] * len(samplers)
+    def _sample(self, samplers, logits):
+        """One token per sampling request from its row of logits: the greedy ones in one argmax. Returns
+        (tokens, failed): a request whose draw raises MAX_SAMPLE_FAILURES steps in a row is in ``failed``
+        (token None); before that its error is raised (the step rolls back and is retried)."""
+        out, failed = [None] * len(samplers), {}
         greedy = [i for i, r in enumerate(samplers) if r.temperature == 0.0]
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
                 out[i] = t
         for i, r in enumerate(samplers):
             if r.temperature != 0.0:
-                out[i] = int(sample_next(logits[i: i + 1], r.temperature, r.top_k, r.generator)[0])
-        return out
+                try:
+                    out[i] = int(sample_next(logits[i: i + 1], r.temperature, r.top_k, r.generator)[0])
+                except Exception as err:
+                    r.sample_failures += 1
+                    if r.sample_failures < MAX_SAMPLE_FAILURES:
+                        raise
+                    failed[r.id] = r.error = f"{type(err).__name__}: {err}"
+        return out, failed
 
-    def _emit(self, r, token: int, ev):
-        """Append r's new token (committed); end r on eos, a stop token or string, or max_new_tokens."""
+    def _decide(self, r, token):
+        """(finish reason or None, text cut before a stop string or None) if r draws ``token``: no state changes."""
+        if token is None:
+            return None, None
+        if token == r.eos_id or token in r.stop_token_ids:
+            return "stop", None
+        if r.stop:
+            text = self.tokenizer.decode(r.output + [token])
+            cut = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                return "stop", text[:cut]
+        return ("length" if len(r.output) + 1 == r.max_new_tokens else None), None
+
+    def _emit(self, r, token: int, reason, text, ev):
+        """Append r's new token (committed); end r if ``_decide`` said so."""
         r.output.append(token)
         ev["emitted"].setdefault(r.id, []).append(token)
         if r.first_token_step is None:
             r.first_token_step, r.first_token_time = self.clock, time.perf_counter()
-        reason = None
-        if token == r.eos_id or token in r.stop_token_ids:
-            reason = "stop"
-        elif r.stop:
-            text = self.tokenizer.decode(r.output)
-            cut = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                r.text, reason = text[:cut], "stop"
-        if reason is None and len(r.output) == r.max_new_tokens:
-            reason = "length"
+        if text is not None:
+            r.text = text
         if reason is not None:
-            self.running.remove(r)
-            self.cache.free_sequence(r.id)  # its blocks go back at once (full ones stay findable)
-            self._end(r, "finished", reason)
-            ev["finished"].append(r.id)
+            self._finish(r, ev, reason)
+
+    def _finish(self, r, ev, reason):
+        self.running.remove(r)
+        self.cache.free_sequence(r.id)  # its blocks go back at once (full ones stay findable)
+        self._end(r, "finished", reason)
+        ev["finished"].append(r.id)
+        ev["finish_reasons"][r.id] = reason
 
     def _end(self, r, state: str, reason: str):
         r.state, r.finish_reason = state, reason

@@ -103,8 +103,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
 
 
 def _check_sampling(temperature, top_k):
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
+            or temperature == float("inf"):
+        raise ValueError(f"temperature must be >= 0 and finite, got {temperature!r}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
 

@@ -23,7 +23,9 @@ Shapes: q (B, H, D); k_blocks, v_blocks (num_blocks, block_size, H_KV, D); block
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 
 import torch
@@ -35,7 +37,7 @@ from .cache import _DTYPES, _compile_inputs, check_attend_args, check_int, pick_
 from .gqa import DECODE_LOOPS, grouped_decode_launch
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "RaggedBatch", "paged_decode_attention",
-           "paged_decode_attention_ref", "store_paged", "store_paged_ref"]
+           "paged_decode_attention_ref", "store_paged", "store_paged_ref", "block_digest"]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -325,6 +327,14 @@ def chained_block_hashes(tokens, block_size: int, n_blocks: int) -> list[int]:
     return hashes
 
 
+def block_digest(parent, block_tokens) -> bytes:
+    """SHA-256 of a block's tokens chained with its parent's digest (None for the first block): equal
+    digests mean equal whole prefixes, with a collision chance no workload will meet. The prefix cache
+    finds blocks by the fast 64-bit chained hash and accepts a hit only when the digests agree (vLLM
+    made SHA-256 its default for the same reason: a 64-bit hash collision is a wrong answer)."""
+    return hashlib.sha256((parent or b"") + array("q", block_tokens).tobytes()).digest()
+
+
 class PagedKVCache:
     """A block pool per layer plus, per sequence, a block table and a length.
 
@@ -369,11 +379,11 @@ class PagedKVCache:
         self.prefix_caching = prefix_caching
         self.hash_to_block: dict = {}  # chained hash of a full block's tokens -> block id
         self.block_hash: dict = {}  # block id -> its hash (only full, registered blocks)
-        self.block_key: dict = {}  # block id -> (parent hash, its tokens): what a hit compares
+        self.block_key: dict = {}  # block id -> block_digest of its whole prefix: what a hit compares
         self.retain_freed = retain_freed
         self.cached: OrderedDict = OrderedDict()  # hashed blocks no sequence holds (the cache's own reference), LRU first
         self.tiers = tiers  # None, or where evicted cached blocks go (host memory, disk)
-        self._hashed: dict = {}  # seq id -> (blocks registered, hash of the last one): hashing is incremental
+        self._hashed: dict = {}  # seq id -> (blocks registered, hash and digest of the last one): incremental
 
     @classmethod
     def for_model(cls, model, num_blocks, block_size, **kw):
@@ -409,11 +419,11 @@ class PagedKVCache:
         """Blocks a new allocation can get: free ones plus cached ones (evicted on demand)."""
         return self.allocator.num_free + len(self.cached)
 
-    def _find(self, h, parent, block_tokens):
-        """The device block registered under hash h if it really holds block_tokens after parent, else None:
-        a hit compares tokens, it does not trust the hash alone."""
+    def _find(self, h, digest):
+        """The device block registered under hash h if its whole prefix has this digest, else None: the
+        64-bit hash finds a candidate, the SHA-256 digest of the prefix's tokens decides (as vLLM does)."""
         b = self.hash_to_block.get(h)
-        if b is not None and self.block_key.get(b) == (parent, block_tokens):
+        if b is not None and self.block_key.get(b) == digest:
             return b
         return None
 
@@ -428,16 +438,7 @@ class PagedKVCache:
         """The device pool's blocks for ``tokens``' full prefix blocks, in order, stopping at the first miss
         (at most ``(len(tokens) - 1) // block_size``: the last token is computed, its logits give the first
         new token). Changes nothing."""
-        if not self.prefix_caching:
-            return []
-        tokens, bs, found, parent = list(tokens), self.block_size, [], None
-        for i, h in enumerate(chained_block_hashes(tokens, bs, (len(tokens) - 1) // bs)):
-            b = self._find(h, parent, tuple(tokens[i * bs: (i + 1) * bs]))
-            if b is None:
-                break
-            found.append(b)
-            parent = h
-        return found
+        return [b for tier, b, *_ in self.plan_prefix(tokens, tiers=False)]
 
     def add_sequence(self, seq_id, prompt_tokens=(), blocks=None) -> int:
         """Register a sequence; with prefix caching, reuse the full blocks of an identical prefix.
@@ -454,24 +455,27 @@ class PagedKVCache:
             self._take(b)
         n = len(blocks) * bs
         self.tables[seq_id], self.lens[seq_id], self.tokens[seq_id] = blocks, n, tokens[:n]
-        self._hashed[seq_id] = (len(blocks), self.block_hash[blocks[-1]] if blocks else None)
+        self._hashed[seq_id] = ((len(blocks), self.block_hash[blocks[-1]], self.block_key[blocks[-1]]) if blocks
+                                else (0, None, None))
         return n
 
-    def plan_prefix(self, tokens) -> list:
+    def plan_prefix(self, tokens, tiers: bool = True) -> list:
         """Where each of ``tokens``' full prefix blocks is kept, in order, up to the first block kept
-        nowhere: [(tier, device block or None, hash, key)], tier "device", "host" or "disk", key = (parent's
-        hash, the block's tokens). As ``lookup`` it leaves the last token to compute. Changes nothing."""
+        nowhere: [(tier, device block or None, hash, digest, block tokens)], tier "device", "host" or
+        "disk" (only "device" with ``tiers=False``). As ``lookup`` it leaves the last token to compute.
+        Changes nothing."""
         if not self.prefix_caching:
             return []
-        tokens, bs, plan, parent = list(tokens), self.block_size, [], None
+        tokens, bs, plan, digest = list(tokens), self.block_size, [], None
         for i, h in enumerate(chained_block_hashes(tokens, bs, (len(tokens) - 1) // bs)):
-            key = (parent, tuple(tokens[i * bs: (i + 1) * bs]))
-            b = self._find(h, *key)
-            tier = "device" if b is not None else self.tiers.where(h, key) if self.tiers is not None else None
+            block_tokens = tuple(tokens[i * bs: (i + 1) * bs])
+            digest = block_digest(digest, block_tokens)
+            b = self._find(h, digest)
+            tier = ("device" if b is not None else
+                    self.tiers.where(h, digest) if tiers and self.tiers is not None else None)
             if tier is None:
                 break
-            plan.append((tier, b, h, key))
-            parent = h
+            plan.append((tier, b, h, digest, block_tokens))
         return plan
 
     def plan_cost(self, plan, n_tokens: int) -> int:
@@ -492,18 +496,15 @@ class PagedKVCache:
             self._take(b)
         got, bs, attached = dict(device=0, host=0, disk=0), self.block_size, 0
         try:
-            for tier, b, h, key in plan:
+            for tier, b, h, digest, block_tokens in plan:
                 if tier == "device":
                     self.tables[seq_id].append(b)
-                    self.tokens[seq_id] += list(key[1])
+                    self.tokens[seq_id] += list(block_tokens)
                     self.lens[seq_id] += bs
-                    self._hashed[seq_id] = (self._hashed[seq_id][0] + 1, h)
+                    self._hashed[seq_id] = (self._hashed[seq_id][0] + 1, h, digest)
                     attached += 1
-                else:
-                    kv = self.tiers.get(h, key)
-                    if kv is None:
-                        break
-                    self.fill_block(seq_id, key[1], *kv, h)
+                elif not self.fill_block(seq_id, block_tokens, h, digest):
+                    break  # the tier's copy was unreadable after all: a miss, the prefix ends here
                 got[tier] += bs
         except BaseException:
             for b in pinned[attached:]:
@@ -571,7 +572,7 @@ class PagedKVCache:
         while done < n and self.cached:
             b = next(iter(self.cached))
             if self.tiers is not None and demote:
-                self.tiers.put(self.block_hash[b], self.block_key[b], self._block_kv(b))
+                self.tiers.put(self.block_hash[b], self.block_key[b], self._block_kv(b))  # never raises an Exception
             del self.cached[b]
             self.allocator.free(b)
             self._forget(b)
@@ -618,18 +619,19 @@ class PagedKVCache:
             raise OutOfBlocksError(f"appending {counts} token(s) to {len(seq_ids)} sequence(s) needs {need} "
                                    f"block(s); {self.allocator.num_free} of {self.allocator.num_blocks} are free"
                                    + (f" and {len(self.cached)} cached" if self.cached else ""))
+        self.evict_cached(need - self.allocator.num_free)  # room first (each eviction whole): then nothing can fail
         bs, slots = self.block_size, []
         for i, (s, n) in enumerate(zip(seq_ids, counts)):
             table, L = self.tables[s], self.lens[s]
             if n and L % bs and self.allocator.refcount[table[-1]] > 1:  # copy-on-write of a shared partial block
-                (new,) = self._allocate(1)
+                (new,) = self.allocator.allocate(1)
                 for pool in self.k + self.v:
                     pool[new] = pool[table[-1]]
                 self.release_block(table[-1])
                 table[-1] = new
             grow = -(-(L + n) // bs) - len(table)
             if grow > 0:
-                table += self._allocate(grow)
+                table += self.allocator.allocate(grow)
             slots += [table[p // bs] * bs + p % bs for p in range(L, L + n)]
             if new_tokens is not None:
                 self.tokens[s] += list(new_tokens[i])
@@ -653,13 +655,14 @@ class PagedKVCache:
             self._forget(table[-1])
         self.lens[seq_id] = min(self.lens[seq_id], length)
         del self.tokens[seq_id][length:]
-        n_hashed, last = self._hashed[seq_id]
+        n_hashed, last, digest = self._hashed[seq_id]
         if n_hashed > length // bs:
             n_hashed = length // bs
             last = self.block_hash.get(table[n_hashed - 1]) if n_hashed else None
+            digest = self.block_key.get(table[n_hashed - 1]) if n_hashed else None
             if n_hashed and last is None:  # a block we registered was forgotten: hash again from the start
-                n_hashed = 0
-        self._hashed[seq_id] = (n_hashed, last)
+                n_hashed, digest = 0, None
+        self._hashed[seq_id] = (n_hashed, last, digest)
 
     def _register_full_blocks(self, seq_id):
         """Give every newly completed block of seq_id its chained hash (prefix caching); only blocks not
@@ -669,16 +672,16 @@ class PagedKVCache:
         bs, toks, table, L = self.block_size, self.tokens[seq_id], self.tables[seq_id], self.lens[seq_id]
         if len(toks) < L:
             return
-        n, parent = self._hashed[seq_id]
+        n, parent, digest = self._hashed[seq_id]
         for i in range(n, L // bs):
             block_tokens = tuple(toks[i * bs: (i + 1) * bs])
-            h = hash((parent, block_tokens))
+            h, digest = hash((parent, block_tokens)), block_digest(digest, block_tokens)
             b = table[i]
             if b not in self.block_hash:
-                self.block_hash[b], self.block_key[b] = h, (parent, block_tokens)
+                self.block_hash[b], self.block_key[b] = h, digest
                 self.hash_to_block.setdefault(h, b)
             parent = h
-        self._hashed[seq_id] = (max(n, L // bs), parent)
+        self._hashed[seq_id] = (max(n, L // bs), parent, digest)
 
     def block_table_tensor(self, seq_ids) -> torch.Tensor:
         width = max(1, max(len(self.tables[s]) for s in seq_ids))
@@ -721,26 +724,37 @@ class PagedKVCache:
             k[idx] = hk.to(self.device, non_blocking=True)
             v[idx] = hv.to(self.device, non_blocking=True)
         self.tables[seq_id], self.lens[seq_id], self.tokens[seq_id] = blocks, len(tokens), list(tokens)
-        self._hashed[seq_id] = (0, None)
+        self._hashed[seq_id] = (0, None, None)
         self._register_full_blocks(seq_id)
 
-    def fill_block(self, seq_id, block_tokens, k, v, h):
-        """Append one full block to seq_id from copies (a tier hit): k, v (n_layers, block_size, H_KV, D);
-        registered under its chained hash h. Needs seq_id's length to be a multiple of block_size."""
+    def fill_block(self, seq_id, block_tokens, h, digest) -> bool:
+        """Append one full block to seq_id from the tiers' copy of block (h, digest), registered under its
+        hash; False (nothing changed) if the copy is gone or unreadable. The fresh block is taken before
+        the copy leaves its tier, so a failed allocation loses no copy. Needs seq_id's length to be a
+        multiple of block_size."""
         bs = self.block_size
         if self.lens[seq_id] % bs or len(block_tokens) != bs:
             raise ValueError("fill_block appends one whole block after whole blocks")
         (b,) = self._allocate(1)
+        try:
+            kv = self.tiers.get(h, digest)
+        except BaseException:
+            self.allocator.free(b)
+            raise
+        if kv is None:
+            self.allocator.free(b)
+            return False
+        k, v = kv
         for layer, (pool_k, pool_v) in enumerate(zip(self.k, self.v)):
             pool_k[b].copy_(k[layer], non_blocking=k.is_pinned())
             pool_v[b].copy_(v[layer], non_blocking=v.is_pinned())
-        parent = self._hashed[seq_id][1]
-        self.block_hash[b], self.block_key[b] = h, (parent, tuple(block_tokens))
+        self.block_hash[b], self.block_key[b] = h, digest
         self.hash_to_block.setdefault(h, b)
         self.tables[seq_id].append(b)
         self.tokens[seq_id] += list(block_tokens)
         self.lens[seq_id] += bs
-        self._hashed[seq_id] = (self._hashed[seq_id][0] + 1, h)
+        self._hashed[seq_id] = (self._hashed[seq_id][0] + 1, h, digest)
+        return True
 
     # The four calls kvlib.generate.generate makes on any cache (sequence ids are 0..B-1 there):
     def reset(self, batch: int | None = None, length: int | None = None):
@@ -836,7 +850,16 @@ class RaggedBatch:
         if min(self.counts) < 1:
             raise ValueError(f"ragged: every sequence needs at least one new token, got counts {self.counts}")
         self.start = [cache.lens[s] for s in seq_ids]
+        self.state = "reserved"
         self.slots = cache.reserve(seq_ids, self.counts, new_tokens)  # all-or-nothing
+        try:
+            self._layout()
+        except BaseException:
+            self.rollback()
+            raise
+
+    def _layout(self):
+        cache, seq_ids = self.cache, self.seq_ids
         dev = cache.device
         self.positions = torch.tensor([p for L, n in zip(self.start, self.counts) for p in range(L, L + n)],
                                       device=dev)[None]  # (1, N)
@@ -846,7 +869,6 @@ class RaggedBatch:
         for n in self.counts:
             cu.append(cu[-1] + n)
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
-        self.state = "reserved"
 
     def attend(self, layer_idx, q, k, v):
         from .ragged import ragged_paged_attention, ragged_paged_attention_ref
@@ -877,7 +899,8 @@ class RaggedBatch:
         self.state = "committed"
 
     def rollback(self):
-        """The forward (or what came after it) failed: give back the reserved blocks and tokens."""
+        """The forward (or what came after it) failed: give back the reserved blocks and tokens. (A
+        copy-on-write the reservation made is kept: the copy holds the same K/V; the engine never forks.)"""
         if self.state != "reserved":
             return
         c = self.cache

@@ -156,8 +156,11 @@ def ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q
         # whole blocks at a time (a copy of contiguous rows, not one lookup per position); -1 past a sequence's
         # blocks: block 0 stands in, its positions lie past the sequence's end and are masked below
         blocks = block_tables[idx, :n_blocks].long().clamp_min(0)  # (G, n_blocks)
-        k = k_blocks[blocks].reshape(G, S, H_KV, D).float().transpose(1, 2)  # (G, H_KV, S, D)
-        v = v_blocks[blocks].reshape(G, S, H_KV, D).float().transpose(1, 2)  # (G, H_KV, S, D)
+        # positions past each sequence's end (its last block's tail, stand-in block 0) may hold anything, even
+        # NaN left by a failed step: zeroed, since a masked score of NaN, or 0 x NaN in P V, would still be NaN
+        pad = torch.arange(S, device=dev)[None, :] >= torch.tensor([lens[i] for i in seqs], device=dev)[:, None]
+        k = k_blocks[blocks].reshape(G, S, H_KV, D).float().masked_fill(pad[:, :, None, None], 0).transpose(1, 2)
+        v = v_blocks[blocks].reshape(G, S, H_KV, D).float().masked_fill(pad[:, :, None, None], 0).transpose(1, 2)
         rows = torch.tensor([cu[i] for i in seqs], device=dev)[:, None] + torch.arange(T, device=dev)  # (G, T)
         # the n_rep query heads of a K/V head one above the other: (G, T, H, D) -> (G, H_KV, n_rep * T, D)
         qg = q[rows].float().view(G, T, H_KV, n_rep, D).permute(0, 2, 3, 1, 4).reshape(G, H_KV, n_rep * T, D)

@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
            "kvlib.gqa", "kvlib.ragged", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
-           "kvlib.compress"]
+           "kvlib.compress", "kvlib.serve"]
 
 # Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
 MUST_HAVE_EXAMPLES = {
@@ -31,6 +31,7 @@ MUST_HAVE_EXAMPLES = {
                      "quantize_keys_per_channel", "quantize_values_per_token", "kivi_decode_attention",
                      "kivi_decode_attention_ref", "KiviCache", "LayerQuantCache", "kl_divergence",
                      "layer_sensitivity", "plan_bits"],
+    "kvlib.serve": ["TextStream", "ServeMetrics"],
     "kvlib.compress": ["record_kv", "fit_low_rank", "low_rank_error", "LowRankKVCache", "MLAConfig",
                        "LatentAttention", "LatentKVCache", "mla_bytes_per_token", "mha_bytes_per_token",
                        "mla_gqa_groups", "SharedKVSeam", "CrossLayerKVCache", "finetune_shared", "evaluate_shared"],

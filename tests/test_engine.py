@@ -57,9 +57,11 @@ def check_pool(engine):
         assert r.state == "running" and c.lens[r.id] == r.computed
         assert len(c.tables[r.id]) == -(-r.computed // bs)
         assert c.tokens[r.id] == r.tokens[: r.computed]
-        for i, b in enumerate(c.tables[r.id][: r.computed // bs]):  # a hashed block holds its tokens
+        digest = None
+        for i, b in enumerate(c.tables[r.id][: r.computed // bs]):  # a hashed block holds its whole prefix
+            digest = kvlib.paged.block_digest(digest, tuple(r.tokens[i * bs: (i + 1) * bs]))
             if b in c.block_key:
-                assert c.block_key[b][1] == tuple(r.tokens[i * bs: (i + 1) * bs])
+                assert c.block_key[b] == digest
     for r in engine.waiting + engine.swapped:
         assert r.id not in c.tables
     assert len(running) <= engine.config.max_num_seqs
@@ -372,16 +374,16 @@ else:
 
 def check_tiers(engine):
     """The host tier holds at most host_blocks blocks, the disk tier exactly its files (at most
-    disk_blocks of them); a block lives in at most one of the two, each with one block of tokens."""
-    cfg, bs, t = engine.config, engine.config.block_size, engine.cache.tiers
+    disk_blocks of them); a block lives in at most one of the two, each under its prefix digest."""
+    cfg, t = engine.config, engine.cache.tiers
     assert len(t.host) <= cfg.host_blocks and len(t.disk) <= cfg.disk_blocks
     assert not set(t.host) & set(t.disk)
     for key, k, v in t.host.values():
-        assert len(key[1]) == bs and k.shape == v.shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
+        assert len(key) == 32 and k.shape == v.shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]  # a digest
     if cfg.disk_dir is not None:
         files = {f for f in os.listdir(cfg.disk_dir) if f.endswith(".safetensors")}
         assert files == {os.path.basename(t.block_file(h)) for h in t.disk}
-        assert all(len(key[1]) == bs for key in t.disk.values())
+        assert all(len(key) == 32 for key in t.disk.values())
 
 
 def push_down(engine):
@@ -456,7 +458,7 @@ def test_disk_tier_round_trips_blocks_through_safetensors_files(model, tmp_path)
     assert max(ev["tiers"]["disk_blocks"] for ev in engine.events) == 10
     assert tier_sums(host_only, ids)["host"] < hits["host"] + hits["disk"]  # the disk kept what host had to drop
     with safe_open(str(files[0]), framework="pt") as f:  # a plain safetensors file: K and V, hash and tokens
-        assert set(f.keys()) == {"k", "v"} and set(f.metadata()) == {"hash", "key"}
+        assert set(f.keys()) == {"k", "v"} and set(f.metadata()) == {"hash", "key", "store"}
         assert f.get_tensor("k").shape == (len(engine.cache.k),) + engine.cache.k[0].shape[1:]
     engine.drop_prefix_cache()
     assert not list((tmp_path / "kv").iterdir()) and not len(engine.cache.tiers)
@@ -838,3 +840,126 @@ if st is not None:
             assert engine.requests[ids[i]].output == want
         engine.drop_prefix_cache()
         assert engine.cache.allocator.num_free == num_blocks
+
+
+# ---- the second review's faults ------------------------------------------------------------
+
+
+def test_a_failed_eviction_inside_a_reservation_changes_no_sequence(model):
+    """Reserving a step's blocks may evict cached ones down to a tier; if that raises, no table, length or
+    token has moved yet (room is made before any sequence grows), and the retried step is right."""
+    engine = Engine(model, num_blocks=7, block_size=2, max_num_seqs=4, max_batched_tokens=16, watermark=0.0,
+                    host_blocks=4)
+    engine.add_request([1, 2, 3, 4, 5], 1)
+    engine.run()  # 2 cached blocks, 5 free
+    a = engine.add_request([10, 11, 12, 13], 4)
+    b = engine.add_request([20, 21, 22, 23], 4)
+    engine.step()
+    before = snapshot(engine), {s: (list(t), engine.cache.lens[s], list(engine.cache.tokens[s]))
+                                for s, t in engine.cache.tables.items()}
+    real_put = engine.cache.tiers.put
+    engine.cache.tiers.put = lambda *args: (_ for _ in ()).throw(MemoryError("no pinned memory"))
+    with pytest.raises(MemoryError):
+        while True:
+            engine.step()
+            before = snapshot(engine), {s: (list(t), engine.cache.lens[s], list(engine.cache.tokens[s]))
+                                        for s, t in engine.cache.tables.items()}
+    assert (snapshot(engine), {s: (list(t), engine.cache.lens[s], list(engine.cache.tokens[s]))
+                               for s, t in engine.cache.tables.items()}) == before
+    check_pool(engine)
+    engine.cache.tiers.put = real_put
+    out = engine.run()
+    assert out[a] == alone(model, [10, 11, 12, 13], 4) and out[b] == alone(model, [20, 21, 22, 23], 4)
+
+
+class FlakyTokenizer(CharTokenizer):
+    def __init__(self, fail_at):
+        self.calls, self.fail_at = 0, fail_at
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken byte")
+        return super().decode(ids)
+
+
+def test_a_stop_string_decode_that_fails_moves_no_request(model):
+    engine = Engine(model, num_blocks=40, block_size=4, max_num_seqs=3, max_batched_tokens=32,
+                    tokenizer=FlakyTokenizer(fail_at=3))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    ids = [engine.add_request(p, 6, stop=["zzz"]) for p in prompts]
+    with pytest.raises(UnicodeDecodeError):
+        for _ in range(10):
+            before = snapshot(engine)
+            engine.step()
+    assert snapshot(engine) == before
+    check_pool(engine)
+    out = engine.run()
+    assert [out[i] for i in ids] == [alone(model, p, 6) for p in prompts]
+
+
+def test_a_request_whose_sampling_keeps_failing_ends_with_an_error_and_frees_the_others(model, monkeypatch):
+    import kvlib.engine as eng
+
+    real = eng.sample_next
+
+    def poisoned(logits, temperature, top_k, generator):  # this request's draws always fail (NaN logits)
+        if temperature == 0.7:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, temperature, top_k, generator)
+
+    monkeypatch.setattr(eng, "sample_next", poisoned)
+    engine = Engine(model, num_blocks=40, block_size=4, max_num_seqs=3, max_batched_tokens=32)
+    bad = engine.add_request([1, 2, 3], 5, temperature=0.7, seed=1)
+    good = [engine.add_request(p, 5, temperature=1.0, seed=2) for p in ([4, 5], [6, 7, 8])]
+    raised = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except RuntimeError:
+            raised += 1
+        check_pool(engine)
+    assert raised == eng.MAX_SAMPLE_FAILURES - 1
+    r = engine.requests[bad]
+    assert r.finish_reason == "error" and "nan" in r.error and r.output == []
+    assert [engine.requests[i].output for i in good] == [alone(model, p, 5, temperature=1.0, seed=2)
+                                                          for p in ([4, 5], [6, 7, 8])]
+    with pytest.raises(ValueError, match="finite"):
+        engine.add_request([1], 2, temperature=float("nan"))
+
+
+def test_two_engines_sharing_a_disk_folder_never_read_each_others_blocks(tmp_path):
+    from kvlib.model import ModelConfig, Transformer
+
+    _, prompts = rag_workload()
+    models = []
+    for seed in (0, 1):  # same shapes, different weights
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            models.append(Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                  hidden_dim=128)).eval())
+    engines = [Engine(m, num_blocks=12, block_size=4, max_num_seqs=2, max_batched_tokens=16, host_blocks=1,
+                      disk_dir=tmp_path, disk_blocks=30) for m in models]
+    ids = [[e.add_request(p, 4) for p in prompts] for e in engines]
+    while any(e.has_unfinished() for e in engines):
+        for e in engines:  # interleaved: each writes and reads block files in the same folder
+            if e.has_unfinished():
+                e.step()
+    for m, e, rid in zip(models, engines, ids):
+        assert [e.requests[i].output for i in rid] == [alone(m, p, 4) for p in prompts]
+        assert e.tier_stats["disk_hits"] > 0
+    assert len({e.cache.tiers.store_id for e in engines}) == 2
+
+
+def test_stream_reports_aborts_and_reasons_even_with_a_short_log(model):
+    engine = Engine(model, num_blocks=20, block_size=4, max_finished=1)
+    a, b = engine.add_request([1, 2], 3), engine.add_request([3, 4], 3)
+    c = engine.add_request([5, 6], 3)
+    seen = []
+    for rid, toks, reason in engine.stream():
+        seen.append((rid, len(toks), reason))
+        if rid == c and reason is None and engine.requests[c].state == "running":
+            engine.abort(c)
+    assert (c, 0, "abort") in seen
+    assert [s for s in seen if s[0] in (a, b) and s[2] is not None] == [(a, 1, "length"), (b, 1, "length")]
+    assert not engine.abort(a)  # ended, and dropped from the log by max_finished: False, not unknown
