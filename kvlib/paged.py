@@ -616,7 +616,8 @@ class PagedKVCache:
                              f"sequence(s), got lengths {[len(t) for t in new_tokens]}")
         need = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, counts))
         if need > self.num_available:
-            raise OutOfBlocksError(f"appending {counts} token(s) to {len(seq_ids)} sequence(s) needs {need} "
+            what = counts[0] if len(set(counts)) == 1 else counts  # one count for all: say it once
+            raise OutOfBlocksError(f"appending {what} token(s) to {len(seq_ids)} sequence(s) needs {need} "
                                    f"block(s); {self.allocator.num_free} of {self.allocator.num_blocks} are free"
                                    + (f" and {len(self.cached)} cached" if self.cached else ""))
         self.evict_cached(need - self.allocator.num_free)  # room first (each eviction whole): then nothing can fail
