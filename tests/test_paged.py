@@ -9,6 +9,8 @@ from kvlib.generate import generate, generate_naive
 from kvlib.paged import (BlockAllocator, OutOfBlocksError, PagedKVCache, paged_decode_attention,
                          paged_decode_attention_ref, store_paged, store_paged_ref)
 
+import _pools  # tests/_pools.py
+
 # ---- the allocator ------------------------------------------------------------------------
 
 
@@ -49,17 +51,7 @@ def test_full_pool_refuses_then_recovers():
 
 def scattered_pool(B, H_KV, D, lens, block_size, dtype, seed):
     """A pool whose blocks are handed out in a shuffled order, as after many allocations/frees."""
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = [-(-L // block_size) for L in lens]
-    total = sum(n_blocks) + 3
-    perm = torch.randperm(total, generator=g).tolist()
-    tables = torch.full((B, max(n_blocks)), -1, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = torch.tensor(perm[i:i + n])
-        i += n
-    k = torch.randn(total, block_size, H_KV, D, generator=g).to(dtype)
-    v = torch.randn(total, block_size, H_KV, D, generator=g).to(dtype)
+    k, v, tables, _ = _pools.scattered_pool(lens, block_size, H_KV, D, dtype, seed)
     return k.to(runtime.DEVICE), v.to(runtime.DEVICE), tables.to(runtime.DEVICE)
 
 

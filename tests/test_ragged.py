@@ -12,23 +12,16 @@ from kvlib.attention import attention_ref
 from kvlib.paged import paged_decode_attention_ref
 from kvlib.ragged import ragged_paged_attention, ragged_paged_attention_ref
 
+import _pools  # tests/_pools.py
+
 DEV = runtime.DEVICE
 
 
 def make_batch(batch, H, H_KV, D, block_size, dtype=torch.float32, seed=0, spare_blocks=3, int64=False):
     """batch: [(n_new, seq_len), ...]. Pools whose blocks are handed out in a scrambled order (as after many
     allocations and frees), -1 past each sequence's blocks; q and the pools filled with random values."""
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = [-(-L // block_size) for _, L in batch]
-    total = sum(n_blocks) + spare_blocks
-    perm = torch.randperm(total, generator=g).tolist()
-    tables = torch.full((len(batch), max(n_blocks) + 1), -1, dtype=torch.int32)  # one unused column too
-    i = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = torch.tensor(perm[i:i + n])
-        i += n
-    k = torch.randn(total, block_size, H_KV, D, generator=g).to(dtype)
-    v = torch.randn(total, block_size, H_KV, D, generator=g).to(dtype)
+    k, v, tables, g = _pools.scattered_pool([L for _, L in batch], block_size, H_KV, D, dtype, seed,
+                                            spare=spare_blocks, extra_columns=1)  # one unused column too
     N = sum(n for n, _ in batch)
     q = torch.randn(N, H, D, generator=g).to(dtype)
     it = torch.int64 if int64 else torch.int32
