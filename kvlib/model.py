@@ -287,7 +287,8 @@ class Transformer(nn.Module):
                     or logits_index.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"logits_index must be a (n,) int tensor of positions 0..{T - 1}, got "
                                  f"{getattr(logits_index, 'shape', type(logits_index).__name__)}")
-            if logits_index.numel() and not 0 <= int(logits_index.min()) <= int(logits_index.max()) < T:
+            lo, hi = torch.stack([logits_index.min(), logits_index.max()]).tolist() if logits_index.numel() else (0, 0)
+            if not 0 <= lo <= hi < T:  # one host read
                 raise ValueError(f"logits_index must lie in 0..{T - 1} (the T={T} positions of ids)")
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)

@@ -35,6 +35,7 @@ from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
 from .cache import _DTYPES, _compile_inputs, check_attend_args, check_int, pick_kernels
 from .gqa import DECODE_LOOPS, grouped_decode_launch
+from .ragged import ragged_paged_attention, ragged_paged_attention_ref
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "RaggedBatch", "paged_decode_attention",
            "paged_decode_attention_ref", "store_paged", "store_paged_ref", "block_digest"]
@@ -440,17 +441,16 @@ class PagedKVCache:
         new token). Changes nothing."""
         return [b for tier, b, *_ in self.plan_prefix(tokens, tiers=False)]
 
-    def add_sequence(self, seq_id, prompt_tokens=(), blocks=None) -> int:
+    def add_sequence(self, seq_id, prompt_tokens=()) -> int:
         """Register a sequence; with prefix caching, reuse the full blocks of an identical prefix.
 
         Returns how many prompt positions are already cached (a multiple of block_size, and always
         less than the prompt's length, so the last prompt token is computed and gives logits).
-        ``blocks``: the result of ``lookup(prompt_tokens)`` if the caller already has it.
         """
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already exists")
         tokens, bs = list(prompt_tokens), self.block_size
-        blocks = self.lookup(tokens) if blocks is None else list(blocks)
+        blocks = self.lookup(tokens)
         for b in blocks:
             self._take(b)
         n = len(blocks) * bs
@@ -560,8 +560,7 @@ class PagedKVCache:
         if n > self.num_available:
             raise OutOfBlocksError(f"asked for {n} block(s) but only {self.allocator.num_free} of "
                                    f"{self.allocator.num_blocks} are free and {len(self.cached)} cached")
-        while self.allocator.num_free < n:
-            self.evict_cached(1)
+        self.evict_cached(n - self.allocator.num_free)
         return self.allocator.allocate(n)
 
     def evict_cached(self, n: int, demote: bool = True) -> int:
@@ -872,8 +871,6 @@ class RaggedBatch:
         self.cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
 
     def attend(self, layer_idx, q, k, v):
-        from .ragged import ragged_paged_attention, ragged_paged_attention_ref
-
         c = self.cache
         if self.state != "reserved":
             raise ValueError(f"this ragged view was already {self.state}: make a new one per forward")
