@@ -1,0 +1,96 @@
+"""kvlib.bench.load: GuideLLM against a real kvlib.serve subprocess, on loopback, bounded in time."""
+
+import shlex
+
+import pytest
+
+from kvlib.bench import load
+from kvlib.corpus import ByteTokenizer
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:80", "http://127.0.0.9"])
+def test_loopback_urls_are_accepted(url):
+    assert load.check_loopback(url)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "https://8.8.8.8", "127.0.0.1:8000",
+                                 "ftp://127.0.0.1"])
+def test_anything_but_loopback_is_refused(url):
+    with pytest.raises(ValueError, match="loopback|look like"):
+        load.check_loopback(url)
+
+
+def test_run_guidellm_refuses_a_remote_target_before_starting_anything(tmp_path):
+    with pytest.raises(ValueError, match="loopback"):
+        load.run_guidellm("http://192.168.1.10:8000", "m", tmp_path, profile="synchronous", seconds=1)
+
+
+def test_the_command_holds_every_bound_and_the_rates():
+    cmd = load.guidellm_command("http://127.0.0.1:8000", "tiny", "/tok", profile="poisson", rates=[0.5, 2],
+                                seconds=12, max_requests=40, chat=False, slo_ttft_ms=500, slo_itl_ms=80)
+    line = shlex.join(cmd)
+    for part in ("kind=openai_http,target=http://127.0.0.1:8000,model=tiny,request_format=/v1/completions",
+                 "kind=max_duration,seconds=12", "kind=max_requests,count=40", "profile.rate 0.5,2",
+                 "slo.ttft_ms=500,slo.tpot_ms=80", "kind=static,value=0", "kind=synthetic_text,prompt_tokens=64"):
+        assert part in line, part
+    drop = load.guidellm_command("http://127.0.0.1:1", "/models/x", "/tok", profile="synchronous", drop_ignore_eos=True)
+    assert "extras.body.ignore_eos=null" in shlex.join(drop) and "request_format" not in shlex.join(drop)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(profile="poisson"), "needs rates"),
+    (dict(profile="constant", rates=[0]), "needs rates"),
+    (dict(profile="synchronous", rates=[1]), "takes no rates"),
+    (dict(profile="zigzag"), "profile must be"),
+    (dict(profile="synchronous", seconds=0), "time bound"),
+    (dict(profile="synchronous", seconds=1e9), "time bound"),
+    (dict(profile="synchronous", output_tokens=0), "output_tokens"),
+])
+def test_bad_load_settings_are_value_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        load.guidellm_command("http://127.0.0.1:1", "m", "/tok", **kw)
+
+
+def test_prometheus_text_is_parsed():
+    text = ('# HELP a_total x\n# TYPE a_total counter\na_total 3\n'
+            'b_bucket{le="0.1"} 2\nc{finish_reason="stop"} 1.5\n\n')
+    assert load.parse_metrics(text) == {"a_total": 3.0, 'b_bucket{le="0.1"}': 2.0, 'c{finish_reason="stop"}': 1.5}
+
+
+def test_the_byte_tokenizer_is_written_in_the_hugging_face_layout(tmp_path):
+    folder = load.write_tokenizer_dir(ByteTokenizer(), tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    text = "def f(x):\n    return x  # héllo €"
+    assert hf.encode(text, add_special_tokens=False) == list(text.encode())
+    assert hf.decode(list(text.encode())) == text
+
+
+def test_bursts_are_flagged():
+    def bench(rate, sent, duration=8.0):
+        return {"config": {"strategy": {"type_": "poisson", "rate": rate}}, "duration": duration,
+                "metrics": {"request_totals": {"successful": sent, "errored": 0, "incomplete": 0}}}
+    assert load._bursts({"benchmarks": [bench(2, 17), bench(2, 55), bench(8, 70)]}) == [2.0]
+
+
+def test_a_guidellm_run_on_the_tiny_server_reports_and_leaves_the_pool_empty(tmp_path):
+    tok_dir = load.write_tokenizer_dir(ByteTokenizer(), tmp_path / "tok")
+    with load.kvlib_server("tiny", num_blocks=128, max_num_seqs=8) as srv:
+        with load.MetricsWatcher(srv.base, period=0.25) as watch:
+            report = load.run_guidellm(srv.base, "tiny", tok_dir, out_dir=tmp_path / "run", profile="constant",
+                                       rates=[4], seconds=4, max_requests=12, chat=False, prompt_tokens=24,
+                                       output_tokens=8, slo_ttft_ms=10_000, slo_itl_ms=10_000)
+        after = load.scrape_metrics(srv.base)
+    df = load.summarize(report, "kvlib")
+    assert list(df["strategy"]) == ["constant"] and df["target"].iloc[0] == 4.0
+    row = df.iloc[0]
+    assert row["ok"] >= 1 and row["errored"] == 0, report["_command"]
+    assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0 and row["out_tok_per_s"] > 0
+    assert row["goodput_pct"] == pytest.approx(100.0)
+    assert after["kvlib_kv_blocks_used"] == 0 and after["kvlib_num_requests_running"] == 0
+    assert after["kvlib_requests_finished_total{finish_reason=\"error\"}"] == 0
+    assert after["kvlib_generation_tokens_total"] >= 8 * row["ok"]
+    frame = watch.frame()
+    assert len(frame) >= 2 and frame["kvlib_num_requests_running"].max() >= 1
+    assert srv.proc.returncode is not None  # stopped by the with block
