@@ -95,6 +95,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _command(name: str, install: str) -> str:
+    """The path of command ``name``, from this Python's environment first; a RuntimeError saying how to
+    install it otherwise."""
+    exe = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    if exe is None:
+        raise RuntimeError(f"the `{name}` command was not found: {install}")
+    return exe
+
+
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     req = urllib.request.Request(url, headers={"User-Agent": "kvlib.bench.load"})
     try:
@@ -227,9 +236,7 @@ def transformers_server(model_dir: str | Path, port: int | None = None, *, threa
     """``transformers serve`` (transformers' own OpenAI-compatible server) on a local model folder
     (``write_model_dir``), on the CPU, with its continuous batching (``--continuous-batching`` and the
     ``--cb-*`` knobs named like kvlib's: block size, blocks, tokens per forward)."""
-    exe = shutil.which("transformers", path=os.path.dirname(sys.executable)) or shutil.which("transformers")
-    if exe is None:
-        raise RuntimeError("the `transformers` command was not found: `pip install transformers` (5.x has `serve`)")
+    exe = _command("transformers", "`pip install transformers` (5.x has `serve`)")
     port = free_port(host) if port is None else port
     cmd = [exe, "serve", str(model_dir), "--host", host, "--port", str(port), "--device", "cpu", "--dtype", dtype,
            "--log-level", "warning"]
@@ -385,14 +392,6 @@ def guidellm_command(target: str, model: str, tokenizer_dir: str | Path, *, prof
     return cmd + ["--disable-progress"]
 
 
-def _guidellm_exe() -> str:
-    exe = shutil.which("guidellm", path=os.path.dirname(sys.executable)) or shutil.which("guidellm")
-    if exe is None:
-        raise RuntimeError("GuideLLM is not installed: `pip install 'guidellm>=0.8.1,<0.9'` (it comes with "
-                           "`pip install -e '.[dev]'`, which `make setup` runs)")
-    return exe
-
-
 def run_guidellm(target: str, model: str, tokenizer_dir: str | Path, *, out_dir: str | Path | None = None,
                  allow_remote: bool = False, grace_s: float = 120.0, **kw) -> dict:
     """Run GuideLLM once (``guidellm_command``'s arguments) and return its JSON report (a dict).
@@ -407,7 +406,8 @@ def run_guidellm(target: str, model: str, tokenizer_dir: str | Path, *, out_dir:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "report.json"
     cmd = guidellm_command(target, model, tokenizer_dir, json_path=json_path, **kw)
-    cmd[0] = _guidellm_exe()
+    cmd[0] = _command("guidellm", "`pip install 'guidellm>=0.8.1,<0.9'` (it comes with `pip install -e '.[dev]'`, "
+                               "which `make setup` runs)")
     rates = kw.get("rates") or [None] * (kw.get("sweep_size", 5) if kw.get("profile") == "sweep" else 1)
     budget = len(rates) * (kw.get("seconds", 20.0) + 15.0) + grace_s  # each rate: its window + start-up
     env = {**os.environ, **OFFLINE_ENV}
@@ -482,8 +482,7 @@ def summarize(report: dict, server: str | None = None):
         row["latency_p50_s"] = _pct(m, "request_latency", "p50")
         row.update(ok=int(totals.get("successful", 0)), errored=int(totals.get("errored", 0)),
                    incomplete=int(totals.get("incomplete", 0)))
-        att = m.get("slo_attainment")
-        row["goodput_pct"] = _attainment(att)
+        row["goodput_pct"] = _attainment(m.get("slo_attainment"))
         rows.append(row)
     df = pd.DataFrame(rows)
     if server is not None:
@@ -492,16 +491,8 @@ def summarize(report: dict, server: str | None = None):
 
 
 def _attainment(att) -> float:
-    """GuideLLM's SLO attainment (the share of successful requests that met every target), in %."""
-    if att is None:
-        return math.nan
-    if isinstance(att, (int, float)):
-        return 100.0 * float(att) if att <= 1 else float(att)
-    if isinstance(att, dict):
-        for key in ("successful", "total", "all", "value", "attainment"):
-            if key in att:
-                return _attainment(att[key])
-    return math.nan
+    """GuideLLM's ``slo_attainment`` (the share of successful requests that met every target, 0..1) in %."""
+    return 100.0 * float(att) if isinstance(att, (int, float)) else math.nan
 
 
 def slo_break(df, column: str, limit: float, by: str = "target"):
