@@ -92,5 +92,8 @@ def test_a_guidellm_run_on_the_tiny_server_reports_and_leaves_the_pool_empty(tmp
     assert after["kvlib_requests_finished_total{finish_reason=\"error\"}"] == 0
     assert after["kvlib_generation_tokens_total"] >= 8 * row["ok"]
     frame = watch.frame()
-    assert len(frame) >= 2 and frame["kvlib_num_requests_running"].max() >= 1
+    # sampled during the run (a tiny request can start and end between two samples, so count tokens, not
+    # requests in flight): the generated-token counter moved between the first and the last sample
+    assert len(frame) >= 2
+    assert frame["kvlib_generation_tokens_total"].iloc[-1] > frame["kvlib_generation_tokens_total"].iloc[0]
     assert srv.proc.returncode is not None  # stopped by the with block
