@@ -588,6 +588,7 @@ class Server:
         except OSError as err:
             sock.close()
             raise OSError(f"cannot listen on {host}:{port}: {err}") from None
+        sock.listen(2048)  # accept from now on: a client that connects before uvicorn runs waits in the backlog
         self._sock, self.port = sock, sock.getsockname()[1]
         self._host_for_url = f"[{host}]" if family == socket.AF_INET6 else host
         self.loop = EngineLoop(self.engine, self.metrics, self.max_step_failures)

@@ -35,6 +35,11 @@ def test_the_command_holds_every_bound_and_the_rates():
         assert part in line, part
     drop = load.guidellm_command("http://127.0.0.1:1", "/models/x", "/tok", profile="synchronous", drop_ignore_eos=True)
     assert "extras.body.ignore_eos=null" in shlex.join(drop) and "request_format" not in shlex.join(drop)
+    both = shlex.join(load.guidellm_command("http://127.0.0.1:1", "m", "/tok", profile="poisson", rates=[1, 2, 4],
+                                            max_requests=[3, 6, 12], body={"temperature": 0, "top_k": 5,
+                                                                           "ignore_eos": False}))
+    assert "extras.body.temperature=0,extras.body.top_k=5,extras.body.ignore_eos=false" in both
+    assert "kind=max_requests,count=3" in both and "'constraints[1].count' 3,6,12" in both
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -45,6 +50,10 @@ def test_the_command_holds_every_bound_and_the_rates():
     (dict(profile="synchronous", seconds=0), "time bound"),
     (dict(profile="synchronous", seconds=1e9), "time bound"),
     (dict(profile="synchronous", output_tokens=0), "output_tokens"),
+    (dict(profile="poisson", rates=[1, 2], max_requests=[3, 6, 9]), "one per rate"),
+    (dict(profile="poisson", rates=[1], max_requests=0), "max_requests"),
+    (dict(profile="synchronous", body={"temperature": "0"}), "finite number"),
+    (dict(profile="synchronous", body={"a,b": 1}), "plain field names"),
 ])
 def test_bad_load_settings_are_value_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -78,19 +87,23 @@ def test_a_guidellm_run_on_the_tiny_server_reports_and_leaves_the_pool_empty(tmp
     tok_dir = load.write_tokenizer_dir(ByteTokenizer(), tmp_path / "tok")
     with load.kvlib_server("tiny", num_blocks=128, max_num_seqs=8) as srv:
         with load.MetricsWatcher(srv.base, period=0.25) as watch:
+            # a request count per rate: GuideLLM waits for every answer (none cut off); temperature 0 is sent
+            # as a number (kvlib.serve would refuse a string with a 400, counted as errored)
             report = load.run_guidellm(srv.base, "tiny", tok_dir, out_dir=tmp_path / "run", profile="constant",
-                                       rates=[4], seconds=4, max_requests=12, chat=False, prompt_tokens=24,
-                                       output_tokens=8, slo_ttft_ms=10_000, slo_itl_ms=10_000)
+                                       rates=[4, 8], seconds=30, max_requests=[4, 8], chat=False, prompt_tokens=24,
+                                       output_tokens=8, slo_ttft_ms=10_000, slo_itl_ms=10_000,
+                                       body={"temperature": 0})
         after = load.scrape_metrics(srv.base)
     df = load.summarize(report, "kvlib")
-    assert list(df["strategy"]) == ["constant"] and df["target"].iloc[0] == 4.0
-    row = df.iloc[0]
-    assert row["ok"] >= 1 and row["errored"] == 0, report["_command"]
-    assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0 and row["out_tok_per_s"] > 0
-    assert row["goodput_pct"] == pytest.approx(100.0)
+    assert list(df["strategy"]) == ["constant"] * 2 and list(df["target"]) == [4.0, 8.0]
+    assert list(df["ok"]) == [4, 8] and list(df["errored"]) == [0, 0] and list(df["incomplete"]) == [0, 0], \
+        report["_command"]
+    assert list(df["output_tokens"]) == [8.0, 8.0]  # ignore_eos: exactly the tokens asked for
+    assert (df["ttft_p50_ms"] > 0).all() and (df["itl_p50_ms"] > 0).all() and (df["out_tok_per_s"] > 0).all()
+    assert list(df["goodput_pct"]) == pytest.approx([100.0, 100.0])
     assert after["kvlib_kv_blocks_used"] == 0 and after["kvlib_num_requests_running"] == 0
     assert after["kvlib_requests_finished_total{finish_reason=\"error\"}"] == 0
-    assert after["kvlib_generation_tokens_total"] >= 8 * row["ok"]
+    assert after["kvlib_generation_tokens_total"] >= 8 * 12
     frame = watch.frame()
     # sampled during the run (a tiny request can start and end between two samples, so count tokens, not
     # requests in flight): the generated-token counter moved between the first and the last sample

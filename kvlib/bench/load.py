@@ -339,11 +339,12 @@ def _kv(kind: str, **fields) -> str:
 
 
 def guidellm_command(target: str, model: str, tokenizer_dir: str | Path, *, profile: str = "poisson",
-                     rates: list[float] | None = None, seconds: float = 20.0, max_requests: int | None = None,
+                     rates: list[float] | None = None, seconds: float = 20.0,
+                     max_requests: int | list[int] | None = None,
                      prompt_tokens: int = 64, output_tokens: int = 32, chat: bool = True,
                      slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None, sweep_size: int = 5,
-                     max_concurrency: int | None = None, drop_ignore_eos: bool = False, seed: int = 0,
-                     json_path: str | Path = "guidellm.json", extra_outputs: tuple = ()) -> list[str]:
+                     max_concurrency: int | None = None, drop_ignore_eos: bool = False, body: dict | None = None,
+                     seed: int = 0, json_path: str | Path = "guidellm.json", extra_outputs: tuple = ()) -> list[str]:
     """The ``guidellm run`` command line for one load run (a list, for ``subprocess``; ``shlex.join`` it
     to paste into a shell). ``target``: the server's base URL without ``/v1``.
 
@@ -351,9 +352,14 @@ def guidellm_command(target: str, model: str, tokenizer_dir: str | Path, *, prof
     streams), ``"constant"`` / ``"poisson"`` (``rates`` = requests per second, evenly or exponentially
     spaced), ``"sweep"`` (GuideLLM finds the range itself: synchronous, throughput, then ``sweep_size - 2``
     rates between; ``max_concurrency`` caps its throughput step), ``"throughput"`` (everything at once).
-    Each rate runs for ``seconds`` or ``max_requests``, whichever comes first. ``slo_ttft_ms`` /
+    Each rate runs for ``seconds`` or ``max_requests``, whichever comes first: GuideLLM cancels what is still
+    running when the time is up (``incomplete``), while after the last of ``max_requests`` it waits for every
+    answer. ``max_requests`` may be one count per rate (e.g. ``[round(r * 10) for r in rates]``: about ten
+    seconds of arrivals at each rate, every answer complete). ``slo_ttft_ms`` /
     ``slo_itl_ms`` make GuideLLM count goodput: the requests whose TTFT and mean inter-token time both
-    met the targets (its ``tpot`` is the time per output token after the first).
+    met the targets (its ``tpot`` is the time per output token after the first). ``body``: fields added to
+    every request body (``{"temperature": 0}`` for greedy answers; numbers and booleans only, None drops
+    the field); ``drop_ignore_eos`` is ``body={"ignore_eos": None}``.
     """
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
@@ -371,19 +377,34 @@ def guidellm_command(target: str, model: str, tokenizer_dir: str | Path, *, prof
     if not chat:
         backend["request_format"] = "/v1/completions"
     backend_s = _kv("openai_http", **backend)
-    if drop_ignore_eos:
-        backend_s += ",extras.body.ignore_eos=null"
+    fields = {**({"ignore_eos": None} if drop_ignore_eos else {}), **(body or {})}
+    for key, value in fields.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(key)):
+            raise ValueError(f"body keys must be plain field names, got {key!r}")
+        if value is not None and (not isinstance(value, (bool, int, float)) or
+                                  (isinstance(value, float) and not math.isfinite(value))):
+            raise ValueError(f"body[{key!r}] must be a finite number, a bool or None, got {value!r}")
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else f"{value:g}"
+        backend_s += f",extras.body.{key}={text}"
     prof = dict(sweep_size=sweep_size, max_concurrency=max_concurrency) if profile == "sweep" else {}
     cmd = ["guidellm", "run", "--backend", backend_s,
            "--tokenizer", _kv("huggingface_auto", model=str(tokenizer_dir)),
            "--data", _kv("synthetic_text", prompt_tokens=prompt_tokens, output_tokens=output_tokens),
            "--profile", _kv(profile, **prof),
            "--constraint", _kv("max_duration", seconds=seconds)]
+    counts = None
     if max_requests is not None:
-        cmd += ["--constraint", _kv("max_requests", count=int(max_requests))]
+        counts = list(max_requests) if isinstance(max_requests, (list, tuple)) else [max_requests]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+            raise ValueError(f"max_requests must be an int >= 1 or a list of them, got {max_requests!r}")
+        if len(counts) > 1 and len(counts) != len(rates or []):
+            raise ValueError(f"max_requests has {len(counts)} counts for {len(rates or [])} rates: give one per rate")
+        cmd += ["--constraint", _kv("max_requests", count=counts[0])]
     if rates:
         cmd += ["--override", "profile.streams" if profile == "concurrent" else "profile.rate",
                 ",".join(f"{r:g}" for r in rates)]
+    if counts and len(counts) > 1:  # constraints[1] is max_requests (constraints[0] is the time bound)
+        cmd += ["--override", "constraints[1].count", ",".join(str(n) for n in counts)]
     if slo_ttft_ms is not None or slo_itl_ms is not None:
         cmd += ["--metrics", _kv("generative", **{"slo.ttft_ms": slo_ttft_ms, "slo.tpot_ms": slo_itl_ms})]
     cmd += ["--seed", _kv("static", value=seed), "--output", _kv("json", path=str(json_path))]
@@ -464,7 +485,8 @@ def summarize(report: dict, server: str | None = None):
 
     Columns: ``strategy``, ``target`` (the rate asked for, req/s, or the streams), ``req_per_s`` and
     ``out_tok_per_s`` (achieved), ``concurrency`` (mean requests in flight), TTFT and ITL p50/p90/p99 in ms,
-    ``latency_p50_s``, the request counts (``ok``, ``errored``, ``incomplete``: cut off at the end of the
+    ``latency_p50_s``, ``prompt_tokens`` and ``output_tokens`` (mean per successful request, as the server's
+    ``usage`` counted them), the request counts (``ok``, ``errored``, ``incomplete``: cut off at the end of the
     window), and ``goodput_pct`` (requests that met the SLO, when one was set)."""
     import pandas as pd
 
@@ -480,6 +502,7 @@ def summarize(report: dict, server: str | None = None):
             for q in ("p50", "p90", "p99"):
                 row[f"{name}_{q}_ms"] = _pct(m, key, q)
         row["latency_p50_s"] = _pct(m, "request_latency", "p50")
+        row.update(prompt_tokens=_mean(m, "prompt_token_count"), output_tokens=_mean(m, "output_token_count"))
         row.update(ok=int(totals.get("successful", 0)), errored=int(totals.get("errored", 0)),
                    incomplete=int(totals.get("incomplete", 0)))
         row["goodput_pct"] = _attainment(m.get("slo_attainment"))
