@@ -234,6 +234,17 @@ EXACT = {
          "mla_gqa_groups: (kv_lora_rank + qk_rope_head_dim) / (2 x 128) of config integers; the paper's figure"),
         (r"The paper's 93\.3% KV-cache reduction", "a figure quoted from the DeepSeek-V2 paper"),
     ],
+    "notebooks/10_http_serving.ipynb": [
+        # cell 3 (c03) prints kvlib.serve's engine loop: literals of the source, not results
+        (r"min\(0\.05 \* self\.failures, 0\.5\)", "a literal in the printed source"),
+        (r"time\.sleep\(0\.05\)", "a literal in the printed source"),
+        # cell 14 (c14): the server's error messages quote its limits and the value sent
+        (r"temperature must be a number in \[0\.0, 2\.0\]", "the server's configured range, in its error text"),
+        (r"top_p=0\.5 is not supported", "the value the cell sends, echoed by the error"),
+        # cells 18 (c18) and 32 (c32): the GuideLLM command line, built from the cell's constants
+        (r"profile\.rate 0\.5,1,2", "the rates the cell sets (CPU mode)"),
+        (r"127\.0\.0\.1", "the loopback address in the target URL"),
+    ],
     "solutions/06_int8_kv_lab.ipynb": [
         # cell 7 (72022b45)
         (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),

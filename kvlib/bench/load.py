@@ -413,13 +413,16 @@ def guidellm_command(target: str, model: str, tokenizer_dir: str | Path, *, prof
     return cmd + ["--disable-progress"]
 
 
+_DONE_LINE = re.compile(r"Benchmark \d+ \(([^)]*)\): completed")
+
+
 def run_guidellm(target: str, model: str, tokenizer_dir: str | Path, *, out_dir: str | Path | None = None,
-                 allow_remote: bool = False, grace_s: float = 120.0, **kw) -> dict:
+                 allow_remote: bool = False, grace_s: float = 120.0, progress: bool = False, **kw) -> dict:
     """Run GuideLLM once (``guidellm_command``'s arguments) and return its JSON report (a dict).
 
     Bounded: the run ends after ``seconds`` per rate (GuideLLM stops it); this process kills GuideLLM
     if it is still alive ``grace_s`` seconds later. The report's path is ``report["_path"]`` and the exact
-    command ``report["_command"]``.
+    command ``report["_command"]``. ``progress=True``: a ``tqdm.auto`` bar that moves as each rate ends.
     """
     if not allow_remote:
         check_loopback(target)
@@ -433,15 +436,38 @@ def run_guidellm(target: str, model: str, tokenizer_dir: str | Path, *, out_dir:
     budget = len(rates) * (kw.get("seconds", 20.0) + 15.0) + grace_s  # each rate: its window + start-up
     env = {**os.environ, **OFFLINE_ENV}
     t0 = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(rates), desc=f"GuideLLM {kw.get('profile', 'poisson')}", unit="rate")
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            stdin=subprocess.DEVNULL, cwd=out_dir, errors="replace")
+    killer = threading.Timer(budget, proc.kill)  # the bound holds even if GuideLLM stops printing
+    killer.start()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=budget,
-                              stdin=subprocess.DEVNULL, cwd=out_dir)
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"GuideLLM ran past its budget of {budget:.0f} s and was killed: {shlex.join(cmd)}") from err
-    (out_dir / "guidellm.log").write_text((done.stdout or "") + (done.stderr or ""))
-    if done.returncode != 0 or not json_path.exists():
-        tail = "\n".join(((done.stdout or "") + (done.stderr or "")).splitlines()[-30:])
-        raise RuntimeError(f"GuideLLM failed (exit {done.returncode}): {shlex.join(cmd)}\n{tail}")
+        for line in proc.stdout:
+            lines.append(line)
+            m = _DONE_LINE.search(line)
+            if bar is not None and m:
+                bar.set_postfix_str(m.group(1))
+                bar.update(1)
+        proc.wait()
+    finally:
+        killer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if bar is not None:
+            bar.close()
+    log = "".join(lines)
+    (out_dir / "guidellm.log").write_text(log)
+    if time.perf_counter() - t0 >= budget:
+        raise RuntimeError(f"GuideLLM ran past its budget of {budget:.0f} s and was killed: {shlex.join(cmd)}")
+    if proc.returncode != 0 or not json_path.exists():
+        tail = "\n".join(log.splitlines()[-30:])
+        raise RuntimeError(f"GuideLLM failed (exit {proc.returncode}): {shlex.join(cmd)}\n{tail}")
     report = json.loads(json_path.read_text())
     report["_bursts"] = _bursts(report)
     report["_path"], report["_command"], report["_wall_s"] = str(json_path), shlex.join(cmd), time.perf_counter() - t0
@@ -555,7 +581,8 @@ def scrape_metrics(base: str, timeout: float = 2.0) -> dict[str, float]:
 class MetricsWatcher:
     """Samples ``base/metrics`` every ``period`` seconds in a daemon thread while the ``with`` block runs.
 
-    ``frame()`` gives a DataFrame: ``t_s`` (seconds since the start) and one column per metric in ``keep``
+    ``frame()`` gives a DataFrame: ``t_s`` (seconds since the start), ``unix_s`` (the wall clock, to line
+    samples up with a GuideLLM report's ``start_time`` / ``end_time``) and one column per metric in ``keep``
     (all ``kvlib_*`` gauges and counters by default; histogram buckets are left out)."""
 
     def __init__(self, base: str, period: float = 0.5, keep: tuple[str, ...] | None = None):
@@ -574,7 +601,7 @@ class MetricsWatcher:
             except (OSError, RuntimeError):
                 self.errors += 1
             else:
-                row = {"t_s": time.perf_counter() - t0}
+                row = {"t_s": time.perf_counter() - t0, "unix_s": time.time()}
                 for k, v in m.items():
                     if (self.keep is None and "_bucket{" not in k) or (self.keep and k in self.keep):
                         row[k] = v
