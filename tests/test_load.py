@@ -110,3 +110,36 @@ def test_a_guidellm_run_on_the_tiny_server_reports_and_leaves_the_pool_empty(tmp
     assert len(frame) >= 2
     assert frame["kvlib_generation_tokens_total"].iloc[-1] > frame["kvlib_generation_tokens_total"].iloc[0]
     assert srv.proc.returncode is not None  # stopped by the with block
+
+
+@pytest.mark.parametrize("how", ["exits without stop()", "is killed"])
+def test_a_server_does_not_outlive_the_process_that_started_it(how):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, time\nfrom kvlib.bench import load\n"
+              "s = load.kvlib_server('tiny', num_blocks=16).start()\nprint(s.proc.pid, flush=True)\n"
+              + ("" if how == "exits without stop()" else "time.sleep(120)\n"))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        if how == "is killed":
+            parent.send_signal(signal.SIGKILL)
+        parent.wait(60)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break  # gone (reaped by init once its parent died)
+            with open(f"/proc/{pid}/stat") as f:  # a zombie has ended too
+                if f.read().split(") ")[1].startswith("Z"):
+                    break
+            assert time.monotonic() < deadline, f"the server (pid {pid}) is still running after its parent {how}"
+            time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()

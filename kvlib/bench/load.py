@@ -35,6 +35,7 @@ What GuideLLM 0.8.1 does that matters here (read from its source and checked on 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ipaddress
 import json
@@ -118,12 +119,35 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 # --------------------------------------------------------------------------------------------
 
 
+def _die_with_parent():
+    """In the child, before exec (Linux): SIGTERM when the process that started it dies, even by SIGKILL
+    (a notebook kernel restarted, a test run interrupted), so no server outlives its notebook. Elsewhere,
+    and if the call fails, only the ``atexit`` stop below covers it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+_LIVE: set = set()  # the ServerProcess objects started and not yet stopped
+
+
+@atexit.register
+def _stop_all():
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop(timeout=5.0)
+
+
 class ServerProcess:
     """A server started as ``cmd`` in a process group of its own, ready once ``GET base + health`` is 200.
 
     ``start()`` waits up to ``startup_timeout`` seconds and raises a RuntimeError with the end of the
     server's log if it exits or never answers. ``stop()`` sends SIGINT (a graceful shutdown), then
-    SIGTERM, then SIGKILL, to the whole group. ``base`` is e.g. ``http://127.0.0.1:8000`` and ``url``
+    SIGTERM, then SIGKILL, to the whole group. A server never outlives the Python process that started it:
+    it is stopped at interpreter exit, and on Linux it gets SIGTERM if that process dies (start it from the
+    main thread: Linux ties that signal to the starting thread). ``base`` is e.g. ``http://127.0.0.1:8000`` and ``url``
     the OpenAI base URL (``base + "/v1"``) for ``openai.OpenAI(base_url=...)``.
     """
 
@@ -153,7 +177,8 @@ class ServerProcess:
         t0 = time.perf_counter()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True)
+                                         env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        _LIVE.add(self)  # stopped at interpreter exit if nobody stopped it (a cell that raised, a test that failed)
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -186,6 +211,7 @@ class ServerProcess:
                 self.proc.wait(wait)
         with contextlib.suppress(ProcessLookupError, PermissionError):  # children left in the group
             os.killpg(self.proc.pid, signal.SIGKILL)
+        _LIVE.discard(self)
         return self.proc.returncode
 
     def log_tail(self, lines: int = 25) -> str:
