@@ -82,6 +82,15 @@ def test_bursts_are_flagged():
                 "metrics": {"request_totals": {"successful": sent, "errored": 0, "incomplete": 0}}}
     assert load._bursts({"benchmarks": [bench(2, 17), bench(2, 55), bench(8, 70)]}) == [2.0]
 
+    def counted(rate, starts):  # a run bounded by a request count: the send times tell
+        b = bench(rate, len(starts))
+        b["requests"] = {"successful": [{"info": {"timings": {"request_start": t}}} for t in starts]}
+        return b
+    spread = counted(0.5, [100.0, 101.5, 104.0, 109.0, 110.0])  # 10 s for 5 arrivals at 0.5/s: as asked
+    burst = counted(0.5, [100.0, 100.01, 100.02, 100.5, 101.0])  # 1 s: far faster than asked
+    few = counted(0.5, [100.0, 100.01])  # two arrivals prove nothing
+    assert load._bursts({"benchmarks": [spread, burst, few]}) == [0.5]
+
 
 def test_a_guidellm_run_on_the_tiny_server_reports_and_leaves_the_pool_empty(tmp_path):
     tok_dir = load.write_tokenizer_dir(ByteTokenizer(), tmp_path / "tok")

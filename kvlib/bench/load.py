@@ -29,8 +29,11 @@ What GuideLLM 0.8.1 does that matters here (read from its source and checked on 
   kvlib.serve honours); ``transformers serve`` rejects unknown fields with a 422, so the backend gets
   ``extras.body.ignore_eos=null`` there (a null field is dropped before sending);
 - with several worker processes every worker seeds the same Poisson generator, so arrivals come in
-  bursts of identical gaps; ``GUIDELLM__MAX_WORKER_PROCESSES=1`` (set here) gives true exponential gaps
-  and starts each rate in a second instead of ten on a small machine.
+  bursts of identical gaps; ``GUIDELLM__MAX_WORKER_PROCESSES=1`` (set here, ``GUIDELLM_ENV``) gives true
+  exponential gaps and starts each rate in a second instead of ten on a small machine;
+- each rate's schedule starts ``GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED`` seconds (1 by default)
+  after it is set; a worker that is not ready by then sends the arrivals it missed at once, a burst. Here
+  the delay is 3 s, and ``report["_bursts"]`` names any rate whose requests still went out too close together.
 """
 
 from __future__ import annotations
@@ -61,7 +64,12 @@ __all__ = ["ServerProcess", "kvlib_server", "transformers_server", "write_tokeni
            "check_loopback", "slo_break"]
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "HF_HUB_DISABLE_TELEMETRY": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+               "HF_HUB_DISABLE_TELEMETRY": "1"}
+# GuideLLM 0.8.1's settings for a small machine: one worker process (several seed the same Poisson
+# generator); each rate's schedule starts 3 s after it is set instead of 1 s, so that a worker spawned on a
+# busy machine is ready before the first arrival instead of catching up on missed ones in a burst
+GUIDELLM_ENV = {**OFFLINE_ENV, "GUIDELLM__MAX_WORKER_PROCESSES": "1",
+                "GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED": "3"}
 PROFILES = ("synchronous", "concurrent", "constant", "poisson", "sweep", "throughput")
 
 
@@ -460,7 +468,7 @@ def run_guidellm(target: str, model: str, tokenizer_dir: str | Path, *, out_dir:
                                "which `make setup` runs)")
     rates = kw.get("rates") or [None] * (kw.get("sweep_size", 5) if kw.get("profile") == "sweep" else 1)
     budget = len(rates) * (kw.get("seconds", 20.0) + 15.0) + grace_s  # each rate: its window + start-up
-    env = {**os.environ, **OFFLINE_ENV}
+    env = {**os.environ, **GUIDELLM_ENV}
     t0 = time.perf_counter()
     bar = None
     if progress:
@@ -501,21 +509,37 @@ def run_guidellm(target: str, model: str, tokenizer_dir: str | Path, *, out_dir:
 
 
 def _bursts(report: dict) -> list[float]:
-    """Rates of a constant / Poisson run at which GuideLLM sent far more than asked.
+    """Rates of a constant / Poisson run at which GuideLLM sent its requests far faster than asked.
 
-    Seen with GuideLLM 0.8.1 on a loaded machine: when its worker reads the shared start time before the
-    main process has set it, every arrival is scheduled in the past and requests go out back to back.
-    ``run_guidellm`` reports such rates in ``report["_bursts"]``; rerun them rather than plot them."""
+    Seen with GuideLLM 0.8.1 on a loaded machine (several requests sent within milliseconds at 0.5 req/s).
+    Its worker sends any request whose scheduled time has passed at once, so a worker that falls behind
+    the schedule (it starts 1 s after it is set by default; ``GUIDELLM_ENV`` gives it 3) catches up in a
+    burst. Two signs: more requests than the rate allows in the window (a time-bounded run), or, with a request
+    count, the sends spread over less than a fifth of the time that count takes at that rate (for n >= 4
+    Poisson arrivals that happens by chance less than 1% of the time). ``run_guidellm`` reports such rates
+    in ``report["_bursts"]``; rerun them rather than plot them."""
     out = []
     for b in report.get("benchmarks", []):
         s = b["config"]["strategy"]
         if s.get("type_") not in ("constant", "poisson") or not s.get("rate"):
             continue
+        rate = float(s["rate"])
         totals = b["metrics"].get("request_totals", {})
         sent = sum(int(totals.get(k, 0)) for k in ("successful", "errored", "incomplete"))
-        if sent > 1.5 * s["rate"] * float(b.get("duration") or 0) + 5:
-            out.append(float(s["rate"]))
+        starts = sorted(float(t) for t in _request_starts(b))
+        too_many = sent > 1.5 * rate * float(b.get("duration") or 0) + 5
+        too_close = len(starts) >= 4 and starts[-1] - starts[0] < 0.2 * (len(starts) - 1) / rate
+        if too_many or too_close:
+            out.append(rate)
     return out
+
+
+def _request_starts(bench: dict):
+    for kind in ("successful", "errored", "incomplete"):
+        for req in (bench.get("requests") or {}).get(kind) or []:
+            t = ((req.get("info") or {}).get("timings") or {}).get("request_start")
+            if t is not None:
+                yield t
 
 
 def _pct(metrics: dict, name: str, q: str) -> float:
