@@ -2,17 +2,19 @@
 
 Used in the labs::
 
-    from kvlib.check import check, check_fn, check_rows, check_tokens
+    from kvlib.check import check, check_fn, check_lines, check_rows, check_tokens
 
     check(my_scores, reference_scores, name="scores")          # prints a report, True if it passes
     check_fn(my_attention, reference_attention, q, k, v)       # calls both on the same inputs
     check_tokens(my_ids, reference_ids, decode=tok.decode)      # token sequences: where they part
     check_rows(my_cache, reference_cache, before=old_cache,     # cache writes: which rows differ
                row_dims=(0, 2), row_names=("sequence", "position"))
+    check_lines(my_transcript, reference_transcript)           # lines of text: the first that differs
 
 Every checker prints *yours vs reference*: shapes, dtypes, and the largest difference (or, for
 tokens, the first position where the sequences part, with the decoded text around it; for cache
-writes, which rows differ). A passing check prints its report and returns True.
+writes, which rows differ; for lines of text, the first line that differs). A passing check prints
+its report and returns True.
 
 A failing check raises :class:`CheckFailed` (an ``AssertionError``, so a wrong *solution* notebook
 fails the test suite) whose message is the report, printed once: in Jupyter the report is all you
@@ -36,7 +38,7 @@ import copy
 
 import torch
 
-__all__ = ["check", "check_fn", "check_tokens", "check_rows", "CheckFailed"]
+__all__ = ["check", "check_fn", "check_tokens", "check_rows", "check_lines", "CheckFailed"]
 
 
 class CheckFailed(AssertionError):
@@ -134,6 +136,72 @@ def check_rows(yours, reference, *, before=None, row_dims=None, row_names=None, 
         names = tuple(row_names) if row_names is not None else tuple(f"dim {d}" for d in dims)
         lines += _row_report(yours, reference, before, dims, names, atol, rtol, show)
     return _finish(ok, lines, yours, hint, mistakes, _same_values(yours, name, atol, rtol))
+
+
+def check_lines(yours, reference, *, name="lines", hint="", mistakes=None, context=2, width=160) -> bool:
+    """Check that two sequences of text lines are identical, and show where they part if they are not.
+
+    For results that are text, not numbers: a transcript of what a function sent and called, the events
+    a parser read, the fields of an answer. ``yours`` and ``reference`` are lists (or tuples) of strings.
+    A failure shows the first line that differs, the ``context`` lines before it, and how each side goes
+    on from there; a line longer than ``width`` characters is cut, with "…".
+    """
+    lines = [f"{name}: yours vs reference, line by line"]
+    y, y_problem = _as_lines(yours)
+    r, _ = _as_lines(reference)
+    if y is None:
+        ok = False
+        lines.append(f"  {y_problem}")
+    else:
+        ok = y == r
+        lines.append(f"  length  yours {len(y)}  reference {len(r)}  {_mark(len(y) == len(r))}")
+        if ok:
+            lines.append(f"  all {len(r)} lines agree  ✓")
+        else:
+            lines += _line_difference(y, r, context, width)
+
+    def matches(wrong):
+        w, _ = _as_lines(wrong)
+        return y is not None and w is not None and y == w
+
+    return _finish(ok, lines, yours, hint, mistakes, matches)
+
+
+def _as_lines(value):
+    """(list of str, None) or (None, what is wrong with it)."""
+    if _not_written(value):
+        return None, f"got {value!r}: not written yet, or a `return` is missing"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        return None, f"yours is a {type(value).__name__}, not a list of lines"
+    bad = next((v for v in value if not isinstance(v, str)), None)
+    if bad is not None:
+        return None, f"yours holds a {type(bad).__name__} ({bad!r:.60}); the lines are strings"
+    return list(value), None
+
+
+def _line_difference(y, r, context, width) -> list[str]:
+    def show(line):
+        text = repr(line)
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    first = next((i for i, (a, b) in enumerate(zip(y, r)) if a != b), min(len(y), len(r)))
+    shorter = min(len(y), len(r))
+    if first == shorter:  # one is a prefix of the other
+        longer, who = (y, "yours") if len(y) > len(r) else (r, "the reference")
+        out = [f"  the first {shorter} lines agree; then {who} has {len(longer) - shorter} more  ✗"]
+    else:
+        out = [f"  first difference at line {first} (lines 0..{first - 1} agree)  ✗" if first
+               else "  first difference at line 0  ✗"]
+    for i in range(max(0, first - context), first):
+        out.append(f"    line {i}, both:  {show(r[i])}")
+    for who, seq in (("yours    ", y), ("reference", r)):
+        rest = seq[first:first + context + 1]
+        out.append(f"  {who} from there: " + ("(nothing more)" if not rest else show(rest[0])))
+        out += [f"  {' ' * len(who)}             {show(line)}" for line in rest[1:]]
+    if first < shorter:
+        n_diff = sum(a != b for a, b in zip(y, r)) + abs(len(y) - len(r))
+        out.append(f"  {n_diff} of {max(len(y), len(r))} lines differ")
+    return out
 
 
 # --------------------------------------------------------------------------------------------

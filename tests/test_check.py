@@ -18,7 +18,7 @@ import torch
 import kvlib  # noqa: F401  (sets the mode before Triton is imported)
 from kvlib import mistakes
 from kvlib.cache import decode_attention_ref, store_kv_ref
-from kvlib.check import CheckFailed, check, check_rows, check_tokens
+from kvlib.check import CheckFailed, check, check_lines, check_rows, check_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,6 +127,33 @@ def test_check_rows_names_the_rows_and_who_wrote_them():
     assert "rows that differ (sequence, position): 2 of 10" in report
     assert "(1, 2): yours left it as it was; the reference writes it" in report
     assert "(1, 3): yours wrote it; the reference leaves it as it was" in report
+
+
+def test_check_lines_shows_the_first_line_that_differs(capsys):
+    ref = ["sent a", "sent b", "sent [DONE]", "the generator ended"]
+    assert check_lines(list(ref), tuple(ref), name="events")
+    out = capsys.readouterr().out
+    assert out.startswith("events: yours vs reference, line by line") and "all 4 lines agree" in out
+    assert out.rstrip().endswith("PASS ✓")
+
+    report = failure(lambda: check_lines(["sent a", "sent x", "sent [DONE]", "the generator ended"], ref,
+                                         name="events", hint="look at b"))
+    assert "first difference at line 1 (lines 0..0 agree)" in report
+    assert "line 0, both:  'sent a'" in report
+    assert "yours     from there: 'sent x'" in report and "reference from there: 'sent b'" in report
+    assert "1 of 4 lines differ" in report and report.endswith("FAIL ✗  Hint: look at b")
+    shorter = failure(lambda: check_lines(ref[:2], ref))
+    assert "the first 2 lines agree; then the reference has 2 more" in shorter
+    assert "yours     from there: (nothing more)" in shorter
+    assert "then yours has 1 more" in failure(lambda: check_lines(ref + ["abort()"], ref))
+    long = failure(lambda: check_lines(["x" * 500], ["y"], width=40))
+    assert "'" + "x" * 38 + "…" in long and "x" * 41 not in long
+    found = diagnoses(lambda: check_lines(ref[:3], ref, mistakes={"no end": ref[:3], "other": ["z"]}))
+    assert found == ["no end"]
+    assert "not written yet" in failure(lambda: check_lines(None, ref))
+    assert "not a list of lines" in failure(lambda: check_lines("sent a", ref))
+    assert "the lines are strings" in failure(lambda: check_lines([1, 2], ref))
+    assert capsys.readouterr().out == ""  # a failure is reported once, in the error
 
 
 # ---------------------------------------------------------------- lab 00 -----------------------
@@ -859,3 +886,224 @@ def test_lab09_quantize_2bit_mistakes(mistake, words):
     ref = quantize_asym(x.reshape(3, 4, 4, 8), bits=2, dim=-1)
     assert check(learner(), ref)
     diagnosed(lambda: check(learner(**mistake), ref, mistakes=mistakes.quantize_2bit(x, group)), words)
+
+
+
+# ---------------------------------------------------------------- lab 10 -----------------------
+
+
+@pytest.fixture(scope="module")
+def lab10():
+    """The solution notebook's cases and its LabServer / leave_early, run: {name: value} of its namespace."""
+    for module in ("httpx", "openai", "fastapi", "uvicorn"):
+        pytest.importorskip(module)
+    nb = json.loads((REPO / "solutions" / "10_http_serving_lab.ipynb").read_text(encoding="utf-8"))
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    namespace = {}
+    for src in cells:
+        if src.startswith("import kvlib") or any(f in src for f in ("SSE_CASES = ", "COLLECT_CASES = ",
+                                                                    "STREAM_SCENARIOS = ")):
+            exec(compile(src, "lab10", "exec"), namespace)
+        elif "def metrics" in src:  # its helpers, without the server it starts
+            exec(compile(src[:src.index("\n\nwith Server(")], "lab10", "exec"), namespace)
+        elif "class LabServer" in src or "def leave_early" in src:  # the definitions, not the checks
+            exec(compile(src[:src.index("\n\nwith LabServer")], "lab10", "exec"), namespace)
+    return namespace
+
+
+def _learner_read_sse(chunks, mistake=""):
+    """read_sse as a learner might write it, with one mistake switched on."""
+    pending, data = "", []
+    for chunk in chunks:
+        if mistake == "per chunk":
+            lines = chunk.splitlines()
+        else:
+            pending += chunk
+            *lines, pending = pending.split("\n")
+        for line in lines:
+            if mistake != "keep CR" and line.endswith("\r"):
+                line = line[:-1]
+            if line.startswith(":"):
+                continue
+            if line:
+                if mistake == "space required":
+                    name, value = ("data", line[len("data: "):]) if line.startswith("data: ") else ("", "")
+                else:
+                    name, _, value = line.partition(":")
+                    value = value[1:] if value.startswith(" ") else value
+                if name != "data":
+                    continue
+                data.append(value)
+                if mistake != "per line":
+                    continue
+            elif not data and mistake != "empty event":
+                continue
+            payload, data = "\n".join(data), []
+            if payload == "[DONE]" and mistake != "DONE as JSON":
+                return
+            obj = json.loads(payload)
+            if obj.get("error") and mistake != "error passed on":
+                raise RuntimeError(obj["error"]["message"])
+            yield obj
+    if mistake != "quiet cut":
+        raise RuntimeError("cut off")
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ("per chunk", "split into lines on its own"),
+    ("per line", "each data: line was taken as a whole event"),
+    ("space required", "the space after the colon is optional"),
+    ("DONE as JSON", "[DONE] was read as JSON"),
+    ("error passed on", "an error event was passed on"),
+    ("quiet cut", "ended quietly"),
+    ("keep CR", "CRLF"),
+    ("empty event", "keep-alive blank lines"),
+])
+def test_lab10_read_sse_mistakes(lab10, mistake, words):
+    cases = lab10["SSE_CASES"]
+    ref = mistakes.sse_reference(cases)
+    assert check_lines(mistakes.sse_transcript(_learner_read_sse, cases), ref)
+    mine = mistakes.sse_transcript(lambda chunks: _learner_read_sse(chunks, mistake), cases)
+    diagnosed(lambda: check_lines(mine, ref, mistakes=mistakes.read_sse(cases)), words)
+
+
+def _learner_collect(events, mistake=""):
+    out = {"text": "", "token_ids": [], "finish_reason": None}
+    for event in events:
+        for c in [event["choices"][0]] if mistake == "choices[0]" else event["choices"]:
+            if mistake == "text only":
+                text = c.get("text") or ""
+            elif mistake == "content key":
+                text = c["delta"]["content"] if "delta" in c else c["text"]
+            else:
+                text = (c["delta"].get("content") if "delta" in c else c["text"]) or ""
+            if mistake == "skip empty" and not text:
+                continue
+            out["text"] = text if mistake == "replace" else out["text"] + text
+            out["token_ids"].extend(c.get("token_ids", []))
+            if c["finish_reason"] is not None:
+                out["finish_reason"] = c["finish_reason"]
+    return out
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ("text only", "looked for in choice[\"text\"]"),
+    ("content key", "the last chat chunk's delta is {}"),
+    ("choices[0]", "usage chunk"),
+    ("skip empty", "their token ids with them"),
+    ("replace", "join them"),
+])
+def test_lab10_collect_mistakes(lab10, mistake, words):
+    cases = lab10["COLLECT_CASES"]
+    ref = mistakes.collect_reference(cases)
+    assert check_lines(mistakes.collect_transcript(_learner_collect, cases), ref)
+    mine = mistakes.collect_transcript(lambda events: _learner_collect(events, mistake), cases)
+    diagnosed(lambda: check_lines(mine, ref, mistakes=mistakes.collect(cases)), words)
+
+
+def _learner_stream(mistake=""):
+    """stream_events as a learner might write it, with one mistake switched on."""
+    async def stream_events(next_message, detok, make_chunk, abort):
+        ended = False
+        try:
+            if mistake != "no opening":
+                yield "data: " + json.dumps(make_chunk(first=True)) + "\n\n"
+            while not ended:
+                msg = await next_message()
+                if msg is None:
+                    if mistake == "abort on None only":
+                        abort()
+                    return
+                kind = msg[0]
+                if kind == "tokens":
+                    text = detok.add(msg[1])
+                    if text or mistake != "skip empty":
+                        yield "data: " + json.dumps(make_chunk(text=text, ids=msg[1])) + "\n\n"
+                elif kind == "finish":
+                    ended = True
+                    rest = "" if mistake == "no rest" else detok.finish(msg[2])
+                    if rest or mistake == "empty rest":
+                        yield "data: " + json.dumps(make_chunk(text=rest)) + "\n\n"
+                    yield "data: " + json.dumps(make_chunk(finish=msg[1])) + "\n\n"
+                else:
+                    ended = True
+                    if mistake != "swallow error":
+                        yield "data: " + json.dumps(msg[1].body()) + "\n\n"
+            if mistake != "no DONE":
+                yield "data: [DONE]\n\n"
+        finally:
+            if mistake == "abort always" or (not ended and mistake not in ("abort on None only", "never abort")):
+                abort()
+
+    return stream_events
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ("abort on None only", "not in a finally: block"),
+    ("never abort", "abort() is never called"),
+    ("abort always", "after the request finished"),
+    ("no rest", "is never sent"),
+    ("no DONE", "no data: [DONE]"),
+    ("swallow error", "an error message is not sent on"),
+    ("no opening", "no opening chunk"),
+    ("skip empty", "whose text is empty was not sent"),
+    ("empty rest", "the rest was sent even when it was empty"),
+])
+def test_lab10_stream_events_mistakes(lab10, mistake, words):
+    scenarios, detok = lab10["STREAM_SCENARIOS"], lab10["make_detok"]
+    ref = mistakes.stream_reference(scenarios, detok)
+    assert check_lines(mistakes.stream_transcript(_learner_stream(), scenarios, detok), ref)
+    mine = mistakes.stream_transcript(_learner_stream(mistake), scenarios, detok)
+    diagnosed(lambda: check_lines(mine, ref, mistakes=mistakes.stream_events(scenarios, detok)), words)
+
+
+def test_lab10_an_unwritten_exercise_stops_at_its_stub(lab10):
+    """The lab's stubs raise NotImplementedError: the transcripts let it through (the learner sees the stub's
+    message), whereas a learner's other errors are part of the transcript."""
+    def stub(*args):
+        raise NotImplementedError("Exercise: write this part")
+
+    async def async_stub(*args):  # `async def` without a yield: a coroutine function, as the lab's stub is
+        raise NotImplementedError("Exercise: write this part")
+
+    with pytest.raises(NotImplementedError):
+        mistakes.sse_transcript(stub, lab10["SSE_CASES"])
+    with pytest.raises(NotImplementedError):
+        mistakes.collect_transcript(stub, lab10["COLLECT_CASES"])
+    with pytest.raises(NotImplementedError):
+        mistakes.stream_transcript(async_stub, lab10["STREAM_SCENARIOS"], lab10["make_detok"])
+    assert "raised KeyError" in mistakes.collect_transcript(lambda events: {}["x"], lab10["COLLECT_CASES"])[0]
+
+
+def test_lab10_every_variant_is_named_as_itself_and_only_itself(lab10):
+    sse, coll = lab10["SSE_CASES"], lab10["COLLECT_CASES"]
+    scenarios, detok = lab10["STREAM_SCENARIOS"], lab10["make_detok"]
+    sets = [(mistakes.sse_reference(sse), mistakes.read_sse(sse)),
+            (mistakes.collect_reference(coll), mistakes.collect(coll)),
+            (mistakes.stream_reference(scenarios, detok), mistakes.stream_events(scenarios, detok))]
+    problems = []
+    for reference, variants in sets:
+        for what, wrong in variants.items():
+            value = wrong()
+            found = diagnoses(lambda: check_lines(value, reference, mistakes=variants))
+            if found != [what]:
+                problems.append((what, found))
+    assert not problems, problems
+    # the right readers give the references (the mistakes' own switches, all off)
+    assert mistakes.sse_transcript(mistakes._read_sse, sse) == mistakes.sse_reference(sse)
+    assert mistakes.collect_transcript(mistakes._collect, coll) == mistakes.collect_reference(coll)
+
+
+def test_lab10_the_server_check_catches_a_request_left_running(lab10):
+    """Through the real server: a loop that aborts in finally gives the blocks back; one that aborts only on
+    None, or never, leaves the request running after the client has gone, and the check says so."""
+    for mistake, passes in [("", True), ("abort on None only", False), ("never abort", False)]:
+        lab10["stream_events"] = _learner_stream(mistake)
+        with lab10["LabServer"](lab10["model"], lab10["tok"], "tiny", **lab10["SERVE_KW"]) as server:
+            yours, reference, hint = lab10["leave_early"](server, wait_s=2.0)
+        if passes:
+            assert check_lines(yours, reference, hint=hint)
+        else:
+            report = failure(lambda: check_lines(yours, reference, hint=hint))
+            assert "the request: still running" in report or "the request: ran to max_tokens" in report, report
+            assert "abort() in a finally: block" in report

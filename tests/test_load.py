@@ -109,7 +109,8 @@ def test_a_guidellm_run_on_the_tiny_server_reports_and_leaves_the_pool_empty(tmp
         report["_command"]
     assert list(df["output_tokens"]) == [8.0, 8.0]  # ignore_eos: exactly the tokens asked for
     assert (df["ttft_p50_ms"] > 0).all() and (df["itl_p50_ms"] > 0).all() and (df["out_tok_per_s"] > 0).all()
-    assert list(df["goodput_pct"]) == pytest.approx([100.0, 100.0])
+    assert list(df["slo_attainment_pct"]) == pytest.approx([100.0, 100.0])
+    assert (df["arrival_per_s"] > 0).all()
     assert after["kvlib_kv_blocks_used"] == 0 and after["kvlib_num_requests_running"] == 0
     assert after["kvlib_requests_finished_total{finish_reason=\"error\"}"] == 0
     assert after["kvlib_generation_tokens_total"] >= 8 * 12

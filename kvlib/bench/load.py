@@ -3,7 +3,7 @@
 A server is measured from the outside, the way an operator measures vLLM: a load generator sends
 requests at a chosen rate over HTTP, streams every answer, and reports per request the time to first
 token (TTFT), the inter-token latency (ITL), the whole latency, and over the run the requests and
-tokens per second, and the share of requests that met a latency target (goodput). This module does
+tokens per second, and the share of requests that met a latency target (SLO attainment). This module does
 not generate load itself: it drives **GuideLLM** (the vLLM project's load tool, ``pip install guidellm``),
 so the command it prints works unchanged against vLLM, SGLang, ``transformers serve`` or kvlib.
 
@@ -390,8 +390,9 @@ def guidellm_command(target: str, model: str, tokenizer_dir: str | Path, *, prof
     running when the time is up (``incomplete``), while after the last of ``max_requests`` it waits for every
     answer. ``max_requests`` may be one count per rate (e.g. ``[round(r * 10) for r in rates]``: about ten
     seconds of arrivals at each rate, every answer complete). ``slo_ttft_ms`` /
-    ``slo_itl_ms`` make GuideLLM count goodput: the requests whose TTFT and mean inter-token time both
-    met the targets (its ``tpot`` is the time per output token after the first). ``body``: fields added to
+    ``slo_itl_ms`` make GuideLLM count SLO attainment: the share of requests whose TTFT and inter-token
+    latency both met the targets (GuideLLM 0.8.1 compares ``slo.tpot_ms`` with each request's
+    ``inter_token_latency_ms``: its mean gap between tokens, the first token excluded). ``body``: fields added to
     every request body (``{"temperature": 0}`` for greedy answers; numbers and booleans only, None drops
     the field); ``drop_ignore_eos`` is ``body={"ignore_eos": None}``.
     """
@@ -563,7 +564,11 @@ def summarize(report: dict, server: str | None = None):
     ``out_tok_per_s`` (achieved), ``concurrency`` (mean requests in flight), TTFT and ITL p50/p90/p99 in ms,
     ``latency_p50_s``, ``prompt_tokens`` and ``output_tokens`` (mean per successful request, as the server's
     ``usage`` counted them), the request counts (``ok``, ``errored``, ``incomplete``: cut off at the end of the
-    window), and ``goodput_pct`` (requests that met the SLO, when one was set)."""
+    window), ``arrival_per_s`` (the rate the requests were actually sent at: (n - 1) / the span of their
+    send times), and ``slo_attainment_pct`` (GuideLLM's ``slo_attainment``: the share of requests that met
+    the SLO, when one was set; errored ones count as misses). GuideLLM's ITL is per request (its mean gap
+    between tokens); the percentiles are over those means, so a single long stall is averaged away
+    (``vllm bench serve`` takes percentiles over every gap)."""
     import pandas as pd
 
     rows = []
@@ -581,7 +586,10 @@ def summarize(report: dict, server: str | None = None):
         row.update(prompt_tokens=_mean(m, "prompt_token_count"), output_tokens=_mean(m, "output_token_count"))
         row.update(ok=int(totals.get("successful", 0)), errored=int(totals.get("errored", 0)),
                    incomplete=int(totals.get("incomplete", 0)))
-        row["goodput_pct"] = _attainment(m.get("slo_attainment"))
+        starts = sorted(float(t) for t in _request_starts(b))
+        row["arrival_per_s"] = (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and \
+            starts[-1] > starts[0] else math.nan
+        row["slo_attainment_pct"] = _attainment(m.get("slo_attainment"))
         rows.append(row)
     df = pd.DataFrame(rows)
     if server is not None:
