@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -129,9 +130,15 @@ def recording(arch: int):
 # --------------------------------------------------------------------------------------------
 
 
+_BUILT = {}  # one build per (kernel, arch, specialization): specs often launch the same build at other sizes
+
+
 def jit_compile(kernel, args, kwargs, arch: int):
     """Compile one recorded launch with Triton's binder for ``arch``: what ``kernel[grid](*args, **kwargs)``
-    compiles at its first call on that GPU. Returns (compiled kernel, bound arguments by name)."""
+    compiles at its first call on that GPU. Returns (compiled kernel, bound arguments by name).
+
+    Launches that the JIT would serve from one build (same signature, constexprs, specialization
+    attributes and options) are compiled once per process."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -152,9 +159,12 @@ def jit_compile(kernel, args, kwargs, arch: int):
             kwargs[name] = getattr(knobs.compilation, name)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
-    return compiled, dict(bound)
+    key = (kernel.fn.__module__, kernel.fn.__qualname__, arch, repr(signature), repr(constexprs), repr(attrs),
+           repr(sorted(options.__dict__.items())))
+    if key not in _BUILT:
+        _BUILT[key] = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                     options=options.__dict__)
+    return _BUILT[key], dict(bound)
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,6 +172,7 @@ def jit_compile(kernel, args, kwargs, arch: int):
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
 

@@ -77,7 +77,7 @@ ROWS = [
     Row("SmolLM2-135M-Instruct keys, relative INT8 error per channel vs per token", "06_int8_kv.ipynb",
         r"on the real model, averaged over its 30 layers: on K, \*\*per-channel beats per-token\*\*: "
         r"(?P<c>[\d.]+) vs (?P<t>[\d.]+)", "{c} vs {t}"),
-    Row("tiny model MHA → 4 / 2 / 1 K/V heads, loss after a 150-step fine-tune vs the MHA model fine-tuned the "
+    Row("tiny model MHA → 4 / 2 / 1 K/V heads, loss after a 100-step fine-tune vs the MHA model fine-tuned the "
         "same way (nats/byte)", "07_gqa.ipynb",
         r"Control: the MHA model fine-tuned the same way goes from [\d.]+ to (?P<ctl>[\d.]+).*?"
         r"g = 4: .*?after the fine-tune (?P<g4>[\d.]+).*?g = 2: .*?after the fine-tune (?P<g2>[\d.]+).*?"
