@@ -11,6 +11,11 @@ What you will find here:
 
       cache.attend(layer_idx, q, k, v)   # q: (B, H, T, D), k/v: (B, H_KV, T, D) -> (B, H, T, D)
 
+  q and k arrive rotated by RoPE at the new tokens' positions, except that a cache whose
+  ``keys_before_rope`` attribute is true receives k *before* RoPE (q is still rotated): it stores
+  the unrotated keys and rotates each one when it attends (chapter 09: renumbered positions that
+  never drift, low-rank bases fitted before the rotation).
+
 - ``load_hf(path)``: reads ``config.json`` + ``*.safetensors`` written by Hugging Face
   ``save_pretrained`` for ``LlamaForCausalLM``/``MistralForCausalLM``, without ``transformers``.
   ``save_hf(model, path)`` writes the same format back (the course's tiny model ships this way).
@@ -157,7 +162,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_KV, T, D)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_KV, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
+        if not getattr(cache, "keys_before_rope", False):
+            k = apply_rope(k, cos, sin)  # a cache that stores keys before RoPE rotates them when it reads them
         if cache is None:
             out = naive_attention(q, k, v, mask)  # (B, H, T, D)
         else:

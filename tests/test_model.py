@@ -181,3 +181,35 @@ def test_pickle_only_checkpoint_is_refused(tmp_path):
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_hf(tmp_path)
+
+
+def test_a_cache_that_stores_keys_before_rope_gets_them_unrotated():
+    """The seam's second form: with ``keys_before_rope`` the cache receives k before RoPE (q after) and
+    rotates the keys itself; rotating them at their positions gives the usual cache's logits."""
+    from kvlib.cache import KVCache
+    from kvlib.model import rope_cos_sin, rotate
+
+    class RotateOnRead(KVCache):
+        keys_before_rope = True
+        seen = []
+
+        def attend(self, layer_idx, q, k, v):
+            self.seen.append(k.clone())
+            pos = self.seq_lens[:, None] + torch.arange(k.shape[2])  # (B, T): where the new tokens sit
+            cos, sin = rope_cos_sin(pos, model.inv_freq, k.dtype)
+            return super().attend(layer_idx, q, rotate(k, cos[:, None], sin[:, None]), v)
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64)).eval()
+    ids = torch.randint(0, 32, (2, 9))
+    with torch.no_grad():
+        ref = model(ids, cache=KVCache.for_model(model, 2, 12))
+        mine = RotateOnRead.for_model(model, 2, 12)
+        got = model(ids[:, :6], cache=mine)
+        got = torch.cat([got, model(ids[:, 6:], positions=mine.next_positions().expand(2, 1) + torch.arange(3),
+                                    cache=mine)], dim=1)
+        layer0 = model.layers[0].attn
+        x = model.layers[0].attn_norm(model.tok_emb(ids[:, :6]))
+        raw_k = layer0.wk(x).view(2, 6, 2, -1).transpose(1, 2)  # (B, H_KV, T, D) before RoPE
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(RotateOnRead.seen[0], raw_k)
