@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
            "kvlib.gqa", "kvlib.ragged", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
-           "kvlib.compress", "kvlib.serve"]
+           "kvlib.kivi", "kvlib.footprint", "kvlib.compress", "kvlib.serve"]
 
 # Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
 MUST_HAVE_EXAMPLES = {
@@ -28,9 +28,10 @@ MUST_HAVE_EXAMPLES = {
                     "index_decode_attention_ref", "SlidingWindowCache", "SinkCache", "H2OCache", "SnapKVCache",
                     "PagedWindowCache"],
     "kvlib.lowbit": ["quantize_asym", "dequantize_asym", "pack_bits", "unpack_bits", "pack_2bit", "unpack_2bit",
-                     "quantize_keys_per_channel", "quantize_values_per_token", "kivi_decode_attention",
-                     "kivi_decode_attention_ref", "KiviCache", "LayerQuantCache", "kl_divergence",
+                     "quantize_keys_per_channel", "quantize_values_per_token", "LayerQuantCache", "kl_divergence",
                      "layer_sensitivity", "plan_bits"],
+    "kvlib.kivi": ["kivi_decode_attention", "kivi_decode_attention_ref", "KiviCache"],
+    "kvlib.footprint": ["held_bytes", "MemoryMeter"],
     "kvlib.serve": ["TextStream", "ServeMetrics"],
     "kvlib.compress": ["record_kv", "fit_low_rank", "low_rank_error", "LowRankKVCache", "MLAConfig",
                        "LatentAttention", "LatentKVCache", "mla_bytes_per_token", "mha_bytes_per_token",

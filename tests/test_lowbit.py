@@ -8,9 +8,9 @@ import torch
 from kvlib import runtime
 from kvlib.cache import CacheFullError, KVCache, decode_attention_ref
 from kvlib.generate import generate
-from kvlib.lowbit import (KiviCache, LayerQuantCache, dequantize_asym, kivi_decode_attention,
-                          kivi_decode_attention_ref, kl_divergence, layer_sensitivity, pack_2bit, pack_bits, plan_bits,
-                          quantize_asym, quantize_keys_per_channel, quantize_values_per_token, unpack_2bit,
+from kvlib.kivi import KiviCache, kivi_decode_attention, kivi_decode_attention_ref
+from kvlib.lowbit import (LayerQuantCache, dequantize_asym, kl_divergence, layer_sensitivity, pack_2bit, pack_bits,
+                          plan_bits, quantize_asym, quantize_keys_per_channel, quantize_values_per_token, unpack_2bit,
                           unpack_bits)
 from kvlib.memory import kv_cache_bytes
 from kvlib.model import ModelConfig, Transformer, load_tiny

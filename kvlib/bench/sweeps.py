@@ -744,7 +744,7 @@ def _kivi_inputs(ctx, B, H_KV, S, D, dtype, group=32, residual=32):
 def keepless(ctx: Ctx) -> Iterator[Point]:
     from ..cache import decode_attention, decode_attention_ref
     from ..evict import index_decode_attention, index_decode_attention_ref
-    from ..lowbit import kivi_decode_attention, kivi_decode_attention_ref
+    from ..kivi import kivi_decode_attention, kivi_decode_attention_ref
 
     def point(H, H_KV, D, B, S, dtype, timed):
         kernels = ctx.gpu or not timed
