@@ -456,6 +456,11 @@ class KVCache:
     ([4], (1, 2, 8, 16))
     """
 
+    #: Attributes ``sequence(b)`` passes on whole instead of slicing along the batch: what every sequence
+    #: shares (RoPE frequencies, fitted bases, per-layer bit widths). A subclass lists its own; the
+    #: names of every class in the hierarchy count.
+    shared_attrs: tuple[str, ...] = ()
+
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype=torch.float32, device="cpu",
                  kernels=None):
         n_layers, batch, max_len = check_int("n_layers", n_layers), check_int("batch", batch), check_int("max_len", max_len)
@@ -478,8 +483,11 @@ class KVCache:
         if check_int("b", b, minimum=0) >= B:
             raise ValueError(f"b must be a sequence index in 0..{B - 1}, got {b}")
         view = object.__new__(type(self))
+        shared = {name for cls in type(self).__mro__ for name in getattr(cls, "shared_attrs", ())}
         for name, value in vars(self).items():  # basic slicing gives views: writes land in our buffers
-            if isinstance(value, list):  # per-layer buffers (B, ...)
+            if name in shared:  # the same for every sequence (model constants): not sliced
+                pass
+            elif isinstance(value, list):  # per-layer buffers (B, ...)
                 value = [t[b: b + 1] for t in value]
             elif isinstance(value, torch.Tensor):  # the lengths: advancing the view advances ours
                 value = value[b: b + 1]

@@ -186,12 +186,13 @@ class LowRankKVCache(KVCache):
     ((1, 2, 16, 4), 512, 128)
     """
 
+    shared_attrs = ("U_k", "U_v")  # every sequence uses the same bases
+
     def __init__(self, bases, batch, max_len, dtype=torch.float32, device="cpu", kernels=None):
         n_layers, H_KV, D, r = _check_bases(bases)
         super().__init__(n_layers, batch, H_KV, max_len, r, dtype, device, kernels)  # coefficients (B, H_KV, S_max, r)
-        # tuples, not lists: sequence(b) slices the per-layer lists along B, but every sequence shares the bases
-        self.U_k = tuple(u.to(device, dtype).contiguous() for u, _ in bases)  # per layer (H_KV, D, r)
-        self.U_v = tuple(u.to(device, dtype).contiguous() for _, u in bases)
+        self.U_k = [u.to(device, dtype).contiguous() for u, _ in bases]  # per layer (H_KV, D, r)
+        self.U_v = [u.to(device, dtype).contiguous() for _, u in bases]
         self.head_dim = D
 
     @classmethod

@@ -288,6 +288,7 @@ class BudgetCache(KVCache):
     """
 
     needs_probs = False  # H2O and SnapKV read each step's attention probabilities
+    shared_attrs = ("inv_freq",)
 
     def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, dtype=torch.float32, device="cpu",
                  kernels=None, *, chunk=32, positions="kept", inv_freq=None):
@@ -298,7 +299,7 @@ class BudgetCache(KVCache):
             raise ValueError("positions='reassign' re-rotates keys: pass inv_freq (for_model does)")
         super().__init__(n_layers, batch, n_kv_heads, budget + chunk, head_dim, dtype, device, kernels)
         self.budget, self.chunk, self.positions = budget, chunk, positions
-        self.rope = (inv_freq,)  # in a tuple: sequence(b) slices the tensors it finds, not this one
+        self.inv_freq = inv_freq  # RoPE frequencies (D / 2,) or None; shared by sequence(b) (shared_attrs)
         shape = (batch, n_kv_heads, budget + chunk)  # (B, H_KV, N_slots)
         self.index = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]
         self.pos = [torch.full(shape, -1, dtype=torch.int64, device=device) for _ in range(n_layers)]  # -1: free
@@ -378,7 +379,7 @@ class BudgetCache(KVCache):
         r_new = n_old[:, None] + torch.arange(T, device=q.device)  # (B, T) ranks inside the cache
         if self.positions == "reassign":  # rotate q and k from their true positions to their ranks
             delta = (r_new - p_new)[:, None]  # (B, 1, T)
-            q, k = _rotate(q, delta, self.rope[0]), _rotate(k, delta, self.rope[0])
+            q, k = _rotate(q, delta, self.inv_freq), _rotate(k, delta, self.inv_freq)
 
         # append: the first T free slots of each (sequence, K/V head) take the new rows
         free = pos < 0  # (B, H_KV, N_slots)
@@ -440,7 +441,7 @@ class BudgetCache(KVCache):
         target = torch.arange(N, device=kb.device).expand(B, H_KV, N)
         delta = target - rot.gather(2, rows)  # (B, H_KV, N): 0 for entries that did not move
         keys = kb.gather(2, rows[..., None].expand(B, H_KV, N, D))
-        kb.scatter_(2, rows[..., None].expand(B, H_KV, N, D), _rotate(keys, delta, self.rope[0]))
+        kb.scatter_(2, rows[..., None].expand(B, H_KV, N, D), _rotate(keys, delta, self.inv_freq))
         rot.scatter_(2, rows, target)
 
 

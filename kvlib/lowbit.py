@@ -215,12 +215,14 @@ class LayerQuantCache(KVCache):
     (True, 160.0)
     """
 
+    shared_attrs = ("bits",)  # one format per layer, the same for every sequence
+
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, bits, dtype=torch.float32, device="cpu",
                  kernels=None):
         super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, dtype, device, kernels)
         if isinstance(bits, (str, bytes)) or not hasattr(bits, "__len__") or len(bits) != len(self.k):
             raise ValueError(f"bits must be a list with one entry per layer ({len(self.k)}), got {bits!r}")
-        self.bits = tuple(_check_bits(b, LAYER_BITS) for b in bits)  # a tuple: sequence(b) slices lists
+        self.bits = tuple(_check_bits(b, LAYER_BITS) for b in bits)
 
     @classmethod
     def for_model(cls, model, batch, max_len, bits, kernels=None):

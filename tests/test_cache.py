@@ -161,3 +161,20 @@ def test_caches_pick_triton_only_for_cuda_tensors_in_gpu_mode(monkeypatch):
     assert pick_kernels("triton", "cpu") == "triton"  # an explicit choice is kept
     with pytest.raises(ValueError, match="'triton' or 'torch'"):
         pick_kernels("cuda", "cuda")
+
+
+def test_sequence_view_slices_per_sequence_buffers_and_shares_what_shared_attrs_name():
+    from kvlib.compress import LowRankKVCache
+    from kvlib.evict import SinkCache
+    from kvlib.lowbit import LayerQuantCache
+
+    inv_freq = torch.rand(4)
+    sink = SinkCache(2, 3, 2, 8, 8, inv_freq=inv_freq, positions="reassign")
+    bases = [(torch.eye(8)[:, :4].expand(2, 8, 4).clone(), torch.eye(8)[:, :4].expand(2, 8, 4).clone())] * 2
+    low = LowRankKVCache(bases, batch=3, max_len=8)
+    mixed = LayerQuantCache(2, 3, 2, 8, 8, bits=[16, 4])
+    for cache, shared in ((sink, ["inv_freq"]), (low, ["U_k", "U_v"]), (mixed, ["bits"])):
+        view = cache.sequence(2)
+        assert view.k[0].shape[0] == 1 and view.k[0].data_ptr() == cache.k[0][2].data_ptr()  # a view of row 2
+        for name in shared:  # passed on whole: the same object
+            assert getattr(view, name) is getattr(cache, name), name

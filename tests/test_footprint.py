@@ -120,7 +120,7 @@ def test_budget_cache_breakdown_and_mean_fraction(model, cls, kw):
     assert held.scores == L * H_KV * S * 2  # fp32 scores, counted at 2 bytes
     assert {p for p, (c, _) in held.tensors.items() if c == "indices"} == {
         f"{n}[{i}]" for n in ("index", "pos", "rot", "n_held") for i in range(L)} | {"evicted", "seq_lens"}
-    assert {p for p, (c, _) in held.tensors.items() if c == "other"} == {"rope[0]"}  # the model's RoPE table
+    assert {p for p, (c, _) in held.tensors.items() if c == "other"} == {"inv_freq"}  # the model's RoPE table
 
     config = model.config
     with MemoryMeter(cache, config) as meter:
