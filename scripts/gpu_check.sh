@@ -217,7 +217,7 @@ if [ "$MODE" = smoke ]; then
   KERNEL_TESTS=(tests/test_vector_add.py)
 else
   KERNEL_TESTS=(tests/test_vector_add.py tests/test_attention.py tests/test_cache.py tests/test_paged.py
-    tests/test_quant.py tests/test_gqa.py tests/test_generate.py tests/test_evict.py tests/test_lowbit.py
+    tests/test_quant.py tests/test_gqa.py tests/test_generate.py tests/test_evict.py tests/test_lowbit.py tests/test_kivi.py
     tests/test_bench.py tests/test_bench_sweeps.py)
 fi
 rest=$(left $(( BUDGET_S - MERGE_RESERVE_S )))
