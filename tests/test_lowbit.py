@@ -11,7 +11,6 @@ from kvlib.lowbit import (LayerQuantCache, dequantize_asym, kl_divergence, layer
                           unpack_bits)
 from kvlib.model import load_tiny
 
-FP16_U = 2.0 ** -11  # fp16's unit roundoff: the scales and zeros are stored in fp16
 
 
 def rand(*shape, seed=0, dtype=torch.float32):
