@@ -2,19 +2,24 @@
 
 KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv:2402.02750):
 keys have outlier *channels* (a few dims are large for every token) and values do not, so keys are
-quantized per channel over a group of ``group`` consecutive tokens, values per token. A key group can
-only be quantized once all its tokens exist, so the newest tokens (up to ``residual``) stay in full
-precision — which also keeps the tokens attention usually weighs most exact.
+quantized per channel over a group of ``group`` consecutive tokens, values per token (over groups of
+``v_group`` channels). A key group can only be quantized once all its tokens exist, so a window of the
+newest tokens (``residual`` = R of them) stays in full precision — which also keeps the tokens attention
+usually weighs most exact. The prompt is attended in full precision, over its own exact K/V, and only
+then stored in low bits.
 
 What you will learn:
 - packing: four 2-bit codes per byte (``kvlib.lowbit.pack_bits``). The decode kernel loads a byte, shifts
   and masks out each code and dequantizes it in registers (``_kivi_decode_kernel``), then attends over the
-  residual, with one online softmax across both parts;
-- what a format really costs: scales and zero points are memory too (``KiviCache.bytes_per_token``).
+  exact windows, with one online softmax across all of it;
+- two windows that slide differently: keys leave theirs a group at a time, values one token at a time;
+- what a format really costs: scales, zero points and the exact window are memory too
+  (``KiviCache.bytes_per_token``, ``KiviCache.nbytes``).
 
-Shapes: B batch, H query heads, H_KV key/value heads, T new tokens, S cached length, D head dim.
-Packed codes (B, H_KV, S_q, D * bits / 8) uint8; key scales / zeros (B, H_KV, S_q / group, D); value
-scales / zeros (B, H_KV, S_q); the full-precision residual (B, H_KV, R, D).
+Shapes: B batch, H query heads, H_KV key/value heads, T new tokens, S cached length, D head dim, G = group.
+Keys: packed codes (B, H_KV, S_kq, D * bits / 8) uint8 (S_kq a multiple of G), scales / zeros (B, H_KV,
+S_kq / G, D), the exact window (B, H_KV, R, D). Values: packed codes (B, H_KV, S_vq, D * bits / 8) uint8,
+scales / zeros (B, H_KV, S_vq, D / v_group), the exact window (B, H_KV, R, D).
 """
 
 from __future__ import annotations
@@ -27,19 +32,38 @@ from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
 from .cache import KVCache, check_int, decode_attention_ref
-from .lowbit import (_check_bits, dequantize_asym, pack_bits, quantize_keys_per_channel,
-                     quantize_values_per_token, unpack_bits)
+from .lowbit import _check_bits, dequantize_asym, pack_bits, quantize_asym, quantize_keys_per_channel, unpack_bits
 
 __all__ = ["kivi_decode_attention_ref", "kivi_decode_attention", "KiviCache"]
 
-def _dequantize_kivi(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n, group, bits, dtype):
-    """The first n (a multiple of group) quantized positions as (B, H_KV, n, D) keys and values."""
-    keys = dequantize_asym(unpack_bits(k_packed[:, :, :n], bits),
+PREFILL_MODES = ("exact", "quantized")
+FLUSH_RULES = ("group", "residual")
+
+
+def _quantize_values(v: torch.Tensor, bits: int, v_group: int):
+    """KIVI's values: per token, one (scale, zero) per group of ``v_group`` consecutive channels.
+
+    v (B, H_KV, S, D) -> (codes (B, H_KV, S, D) uint8, scale, zero (B, H_KV, S, D / v_group) fp32).
+    ``quantize_values_per_token`` is the case v_group = D (with a trailing 1 instead of D / D)."""
+    B, H_KV, S, D = v.shape
+    q, scale, zero = quantize_asym(v.reshape(B, H_KV, S, D // v_group, v_group), bits, dim=-1)
+    return q.reshape(B, H_KV, S, D), scale[..., 0], zero[..., 0]
+
+
+def _dequantize_keys(k_packed, k_scale, k_zero, n, group, bits, dtype):
+    """The first n (a multiple of group) quantized key positions as (B, H_KV, n, D)."""
+    return dequantize_asym(unpack_bits(k_packed[:, :, :n], bits),
                            k_scale[:, :, :n // group].repeat_interleave(group, dim=2),  # a group's row serves its tokens
                            k_zero[:, :, :n // group].repeat_interleave(group, dim=2), dtype)
-    values = dequantize_asym(unpack_bits(v_packed[:, :, :n], bits), v_scale[:, :, :n, None], v_zero[:, :, :n, None],
-                             dtype)
-    return keys, values
+
+
+def _dequantize_values(v_packed, v_scale, v_zero, n, bits, dtype):
+    """The first n quantized value positions as (B, H_KV, n, D); v_scale / v_zero (B, H_KV, S_vq, D / v_group)."""
+    codes = unpack_bits(v_packed[:, :, :n], bits)  # (B, H_KV, n, D)
+    B, H_KV, _, D = codes.shape
+    n_groups = v_scale.shape[3]
+    grouped = codes.reshape(B, H_KV, n, n_groups, D // n_groups)
+    return dequantize_asym(grouped, v_scale[:, :, :n, :, None], v_zero[:, :, :n, :, None], dtype).reshape(B, H_KV, n, D)
 
 
 # --------------------------------------------------------------------------------------------
@@ -47,13 +71,13 @@ def _dequantize_kivi(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n, gr
 # --------------------------------------------------------------------------------------------
 
 
-def _check_kivi_args(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n_quant, k_res, v_res, n_res,
+def _check_kivi_args(q, k_packed, k_scale, k_zero, n_kq, k_res, n_kr, v_packed, v_scale, v_zero, n_vq, v_res, n_vr,
                      group, bits):
-    """Every check both KIVI decode functions make; returns v_scale, v_zero as (B, H_KV, S_q) and n_quant, n_res
-    as lists (read on the host once)."""
+    """Every check both KIVI decode functions make; returns the value group (D / v_scale.shape[3]) and the
+    four per-sequence counts as lists (read on the host once)."""
     bits, group = _check_bits(bits), check_int("group", group)
-    given = dict(q=q, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, v_packed=v_packed, v_scale=v_scale,
-                 v_zero=v_zero, n_quant=n_quant, k_res=k_res, v_res=v_res, n_res=n_res)
+    given = dict(q=q, k_packed=k_packed, k_scale=k_scale, k_zero=k_zero, n_kq=n_kq, k_res=k_res, n_kr=n_kr,
+                 v_packed=v_packed, v_scale=v_scale, v_zero=v_zero, n_vq=n_vq, v_res=v_res, n_vr=n_vr)
     for name, t in given.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -70,98 +94,164 @@ def _check_kivi_args(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n_
             raise TypeError(f"{name} must be torch.uint8 ({per} {bits}-bit codes per byte, from pack_bits), "
                             f"got {t.dtype}")
         if t.dim() != 4 or t.shape[0] != B or t.shape[3] != D // per:
-            raise ValueError(f"{name} must be (B={B}, H_KV, S_q, D * bits / 8 = {D // per}) for q of shape "
+            raise ValueError(f"{name} must be (B={B}, H_KV, S_{name[0]}q, D * bits / 8 = {D // per}) for q of shape "
                              f"{tuple(q.shape)} and bits={bits}, got {tuple(t.shape)}")
-    if v_packed.shape != k_packed.shape:
-        raise ValueError(f"v_packed must have k_packed's shape {tuple(k_packed.shape)}, got {tuple(v_packed.shape)}")
-    H_KV, S_q = k_packed.shape[1], k_packed.shape[2]
+    H_KV, S_kq, S_vq = k_packed.shape[1], k_packed.shape[2], v_packed.shape[2]
     if H_KV < 1 or H % H_KV:
         raise ValueError(f"k_packed has H_KV={H_KV} heads, which must divide q's H={H} heads")
-    if S_q % group:
-        raise ValueError(f"k_packed holds S_q={S_q} positions, which must be a multiple of group={group}")
-    scales = {}
-    per_group, per_token = (B, H_KV, S_q // group, D), (B, H_KV, S_q)
+    if v_packed.shape[1] != H_KV:
+        raise ValueError(f"v_packed must have k_packed's H_KV={H_KV} heads, got {tuple(v_packed.shape)}")
+    if S_kq % group:
+        raise ValueError(f"k_packed holds S_kq={S_kq} positions, which must be a multiple of group={group}")
+    if v_scale.dim() != 4 or v_scale.shape[3] < 1 or D % v_scale.shape[3]:
+        raise ValueError(f"v_scale must be (B={B}, H_KV={H_KV}, S_vq={S_vq}, D / v_group), one per (token, group of "
+                         f"v_group channels) with v_group dividing D={D}, got {tuple(v_scale.shape)}")
+    n_vgroups = v_scale.shape[3]
+    per_group, per_token = (B, H_KV, S_kq // group, D), (B, H_KV, S_vq, n_vgroups)
     for name, t, want in (("k_scale", k_scale, per_group), ("k_zero", k_zero, per_group),
                           ("v_scale", v_scale, per_token), ("v_zero", v_zero, per_token)):
-        if name.startswith("v") and t.dim() == 4 and t.shape[3] == 1:
-            t = t[..., 0]  # quantize_values_per_token keeps the reduced dim
         if tuple(t.shape) != want:
-            what = "one per (group of tokens, channel)" if want == per_group else "one per token (or with a trailing 1)"
+            what = ("one per (group of tokens, channel)" if want == per_group else
+                    "one per (token, group of v_group channels)")
             raise ValueError(f"{name} must be of shape {want}, {what}, got {tuple(t.shape)}")
         if t.dtype not in (torch.float16, torch.float32):
             raise TypeError(f"{name} must be fp16 or fp32, got {t.dtype}")
-        scales[name] = t
     for name, t in (("k_res", k_res), ("v_res", v_res)):
         if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (B, H_KV, D):
-            raise ValueError(f"{name} must be (B={B}, H_KV={H_KV}, R, D={D}), the full-precision residual, "
+            raise ValueError(f"{name} must be (B={B}, H_KV={H_KV}, R, D={D}), the exact window, "
                              f"got {tuple(t.shape)}")
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must be q's dtype {q.dtype}, got {t.dtype}")
-    if v_res.shape != k_res.shape:
-        raise ValueError(f"v_res must have k_res's shape {tuple(k_res.shape)}, got {tuple(v_res.shape)}")
-    for name, t in (("n_quant", n_quant), ("n_res", n_res)):
+    for name in ("n_kq", "n_kr", "n_vq", "n_vr"):
+        t = given[name]
         if t.shape != (B,) or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a (B={B},) int32/int64 tensor, got {tuple(t.shape)} {t.dtype}")
     if len({t.device for t in given.values()}) != 1:
         raise ValueError(f"all of {', '.join(given)} must be on one device")
-    nq, nr = torch.stack([n_quant.long(), n_res.long()]).tolist()  # one host read
-    if any(n % group or not 0 <= n <= S_q for n in nq):
-        raise ValueError(f"n_quant must be multiples of group={group} in 0..S_q={S_q}, got {nq}")
-    if any(not 0 <= n <= k_res.shape[2] for n in nr):
-        raise ValueError(f"n_res must lie in 0..R={k_res.shape[2]}, got {nr}")
-    if any(a + b < 1 for a, b in zip(nq, nr)):
-        raise ValueError(f"every sequence needs at least one cached position, got n_quant={nq}, n_res={nr}")
-    return scales["v_scale"], scales["v_zero"], nq, nr
+    kq, kr, vq, vr = torch.stack([n_kq.long(), n_kr.long(), n_vq.long(), n_vr.long()]).tolist()  # one host read
+    if any(n % group or not 0 <= n <= S_kq for n in kq):
+        raise ValueError(f"n_kq must be multiples of group={group} in 0..S_kq={S_kq}, got {kq}")
+    if any(not 0 <= n <= S_vq for n in vq):
+        raise ValueError(f"n_vq must lie in 0..S_vq={S_vq}, got {vq}")
+    for name, ns, R in (("n_kr", kr, k_res.shape[2]), ("n_vr", vr, v_res.shape[2])):
+        if any(not 0 <= n <= R for n in ns):
+            raise ValueError(f"{name} must lie in 0..R={R} (the {name[2]} window's rows), got {ns}")
+    if [a + b for a, b in zip(kq, kr)] != [a + b for a, b in zip(vq, vr)]:
+        raise ValueError(f"keys and values must cover the same positions: n_kq + n_kr = "
+                         f"{[a + b for a, b in zip(kq, kr)]}, n_vq + n_vr = {[a + b for a, b in zip(vq, vr)]}")
+    if any(a + b < 1 for a, b in zip(kq, kr)):
+        raise ValueError(f"every sequence needs at least one cached position, got n_kq={kq}, n_kr={kr}")
+    return D // n_vgroups, kq, kr, vq, vr
 
 
-def kivi_decode_attention_ref(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n_quant, k_res, v_res,
-                              n_res, group, bits=2):
-    """Dequantize each sequence's first n_quant[b] positions, append its n_res[b] residual rows, attend (fp32).
+def kivi_decode_attention_ref(q, k_packed, k_scale, k_zero, n_kq, k_res, n_kr, v_packed, v_scale, v_zero, n_vq,
+                              v_res, n_vr, group, bits=2):
+    """Sequence b's keys: its first n_kq[b] quantized positions then n_kr[b] exact rows; its values: n_vq[b]
+    quantized then n_vr[b] exact (n_kq + n_kr = n_vq + n_vr positions, in order); attend (fp32).
 
-    q (B, H, D); k_packed, v_packed (B, H_KV, S_q, D * bits / 8) uint8; k_scale, k_zero (B, H_KV, S_q / group,
-    D); v_scale, v_zero (B, H_KV, S_q) (or with a trailing 1); k_res, v_res (B, H_KV, R, D) in q's dtype;
-    n_quant, n_res (B,) int. Returns (B, H, D) in q's dtype.
+    q (B, H, D); k_packed (B, H_KV, S_kq, D * bits / 8) uint8, k_scale, k_zero (B, H_KV, S_kq / group, D);
+    v_packed (B, H_KV, S_vq, D * bits / 8) uint8, v_scale, v_zero (B, H_KV, S_vq, D / v_group); k_res
+    (B, H_KV, R_k, D), v_res (B, H_KV, R_v, D) in q's dtype; n_kq (multiples of group), n_kr, n_vq, n_vr (B,)
+    int. Returns (B, H, D) in q's dtype.
 
     >>> from kvlib.lowbit import pack_2bit
     >>> g = torch.Generator().manual_seed(0)
-    >>> k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))  # (B, H_KV, S, D): 32 + 8 tokens
-    >>> kq, ks, kz = quantize_keys_per_channel(k[:, :, :32], group=16)  # 2 groups of 16 tokens
-    >>> vq, vs, vz = quantize_values_per_token(v[:, :, :32])
+    >>> k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))  # (B, H_KV, S, D)
+    >>> kq, ks, kz = quantize_keys_per_channel(k[:, :, :32], group=16)  # keys: 2 groups of 16 tokens + 8 exact
+    >>> vq, vs, vz = _quantize_values(v[:, :, :35], bits=2, v_group=8)  # values: 35 tokens + 5 exact
     >>> q = torch.randn(1, 4, 16, generator=g)  # (B, H, D): 4 query heads, 2 K/V heads
-    >>> out = kivi_decode_attention_ref(q, pack_2bit(kq), ks, kz, pack_2bit(vq), vs, vz, torch.tensor([32]),
-    ...                                 k[:, :, 32:], v[:, :, 32:], torch.tensor([8]), group=16)
-    >>> full = decode_attention_ref(q, k, v, torch.tensor([40]))
+    >>> n = lambda x: torch.tensor([x])
+    >>> out = kivi_decode_attention_ref(q, pack_2bit(kq), ks, kz, n(32), k[:, :, 32:], n(8),
+    ...                                 pack_2bit(vq), vs, vz, n(35), v[:, :, 35:], n(5), group=16)
+    >>> full = decode_attention_ref(q, k, v, n(40))
     >>> out.shape, bool((out - full).abs().max() < 0.5)  # 2-bit: close, not equal
     (torch.Size([1, 4, 16]), True)
     """
-    v_scale, v_zero, n_quant, n_res = _check_kivi_args(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
-                                                       n_quant, k_res, v_res, n_res, group, bits)
+    _, kq, kr, vq, vr = _check_kivi_args(q, k_packed, k_scale, k_zero, n_kq, k_res, n_kr, v_packed, v_scale, v_zero,
+                                         n_vq, v_res, n_vr, group, bits)
     out = torch.empty_like(q)
-    for b, (nq, nr) in enumerate(zip(n_quant, n_res)):  # ragged: each sequence has its own n_quant and n_res
+    for b in range(q.shape[0]):  # ragged: each sequence has its own four counts
         one = slice(b, b + 1)
-        kq, vq = _dequantize_kivi(k_packed[one], k_scale[one], k_zero[one], v_packed[one], v_scale[one],
-                                  v_zero[one], nq, group, bits, torch.float32)  # (1, H_KV, nq, D)
-        k = torch.cat([kq, k_res[one, :, :nr].float()], dim=2)  # (1, H_KV, nq + nr, D): positions in order
-        v = torch.cat([vq, v_res[one, :, :nr].float()], dim=2)
-        lens = torch.tensor([nq + nr], device=q.device)
+        k = torch.cat([_dequantize_keys(k_packed[one], k_scale[one], k_zero[one], kq[b], group, bits, torch.float32),
+                       k_res[one, :, :kr[b]].float()], dim=2)  # (1, H_KV, n, D): positions in order
+        v = torch.cat([_dequantize_values(v_packed[one], v_scale[one], v_zero[one], vq[b], bits, torch.float32),
+                       v_res[one, :, :vr[b]].float()], dim=2)
+        lens = torch.tensor([kq[b] + kr[b]], device=q.device)
         out[b] = decode_attention_ref(q[one].float(), k, v, lens)[0]  # (H, D)
     return out
 
 
 @triton.jit
+def _kivi_tile(
+    acc, l_i, m_i,  # this program's running sums and maximum
+    q,  # (TILE_D,) the query, fp32
+    pos0, n_kq, n_vq, n,  # the tile's first position; quantized keys / values; positions in all
+    kq_ptr, ks_ptr, kz_ptr, kr_ptr,  # keys: codes, scale, zero, exact window (already at this K/V head's rows)
+    vq_ptr, vs_ptr, vz_ptr, vr_ptr,  # values: codes, scale, zero, exact window (likewise)
+    group, D, dims, dim_ok, qk_scale,
+    K_CODES: tl.constexpr,  # True: every key of the tile is quantized (and the tile lies in one key group)
+    V_MODE: tl.constexpr,  # 0: every value quantized; 1: every value exact; 2: either, by position
+    BITS: tl.constexpr, V_GROUP: tl.constexpr, TILE_N: tl.constexpr,
+):
+    """Fold positions pos0 .. pos0 + TILE_N - 1 (those < n) into (acc, l_i, m_i), each key and value read
+    from its codes (dequantized in registers) or from its exact window."""
+    pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,)
+    pos_ok = pos < n
+    byte = dims // (8 // BITS)  # 2 bits: code d is in byte d // 4 ...
+    shift = (dims % (8 // BITS)) * BITS  # ... at bits 2 * (d % 4), 2 * (d % 4) + 1
+    row_bytes = D // (8 // BITS)
+    if K_CODES:
+        mask = pos_ok[:, None] & dim_ok[None, :]
+        codes = tl.load(kq_ptr + pos[:, None] * row_bytes + byte[None, :], mask=mask, other=0).to(tl.int32)
+        codes = (codes >> shift[None, :]) & ((1 << BITS) - 1)  # (TILE_N, TILE_D) in 0 .. 2**BITS - 1
+        grp = pos0 // group  # the tile's key group: one scale and zero per channel
+        k_scale = tl.load(ks_ptr + grp * D + dims, mask=dim_ok, other=0.0).to(tl.float32)  # (TILE_D,)
+        k_zero = tl.load(kz_ptr + grp * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        k = codes.to(tl.float32) * k_scale[None, :] + k_zero[None, :]  # (TILE_N, TILE_D)
+    else:  # exact window row j holds position n_kq + j
+        mask = (pos_ok & (pos >= n_kq))[:, None] & dim_ok[None, :]
+        k = tl.load(kr_ptr + (pos - n_kq)[:, None] * D + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,)
+    s = tl.where(pos_ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)  # (TILE_N,)
+    if V_MODE != 1:  # codes, with a scale and zero per (token, group of V_GROUP channels)
+        quant = pos_ok & (pos < n_vq)
+        mask = quant[:, None] & dim_ok[None, :]
+        codes = tl.load(vq_ptr + pos[:, None] * row_bytes + byte[None, :], mask=mask, other=0).to(tl.int32)
+        codes = (codes >> shift[None, :]) & ((1 << BITS) - 1)
+        sc = pos[:, None] * (D // V_GROUP) + (dims // V_GROUP)[None, :]  # (TILE_N, TILE_D) its (token, group)
+        v_scale = tl.load(vs_ptr + sc, mask=mask, other=0.0).to(tl.float32)
+        v_zero = tl.load(vz_ptr + sc, mask=mask, other=0.0).to(tl.float32)
+        v = codes.to(tl.float32) * v_scale + v_zero  # (TILE_N, TILE_D)
+    if V_MODE != 0:  # the exact window: row j holds position n_vq + j
+        mask = (pos_ok & (pos >= n_vq))[:, None] & dim_ok[None, :]
+        v_exact = tl.load(vr_ptr + (pos - n_vq)[:, None] * D + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        if V_MODE == 1:
+            v = v_exact
+        else:
+            v = tl.where((pos < n_vq)[:, None], v, v_exact)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _kivi_decode_kernel(
     q_ptr,  # (B, H, D) the new query of each sequence, contiguous
-    kq_ptr, vq_ptr,  # packed codes (B, H_KV, S_q, D // (8 // BITS)) uint8, contiguous
-    ks_ptr, kz_ptr,  # key scale and zero (B, H_KV, S_q // group, D): per (group of tokens, channel)
-    vs_ptr, vz_ptr,  # value scale and zero (B, H_KV, S_q): per token
-    n_quant_ptr, n_res_ptr,  # (B,) quantized positions (a multiple of group) and residual positions
-    kr_ptr, vr_ptr,  # full-precision residual (B, H_KV, R, D), contiguous: row j holds position n_quant + j
+    kq_ptr, ks_ptr, kz_ptr,  # keys: codes (B, H_KV, S_kq, D // (8 // BITS)) uint8, scale / zero (B, H_KV, S_kq // group, D)
+    kr_ptr,  # keys' exact window (B, H_KV, R_k, D): row j holds position n_kq + j
+    vq_ptr, vs_ptr, vz_ptr,  # values: codes (B, H_KV, S_vq, D // (8 // BITS)) uint8, scale / zero (B, H_KV, S_vq, D // V_GROUP)
+    vr_ptr,  # values' exact window (B, H_KV, R_v, D): row j holds position n_vq + j
+    n_kq_ptr, n_kr_ptr, n_vq_ptr,  # (B,) quantized keys (a multiple of group), exact keys, quantized values
     o_ptr,  # output (B, H, D) in q's dtype
-    H_KV, S_q, R, D,  # K/V heads, quantized capacity (positions), residual capacity (positions), head dim
+    H_KV, S_kq, S_vq, R_k, R_v, D,  # K/V heads, quantized capacities, window capacities (positions), head dim
     n_rep, group,  # query heads per K/V head (H // H_KV), tokens per key group
     qk_scale,  # 1/sqrt(D) * log2(e)
     BITS: tl.constexpr,  # bits per code: 2 (4 codes per byte), 4 (2 per byte) or 8
-    TILE_N: tl.constexpr,  # positions per inner step; divides group, so a tile lies inside one key group
+    V_GROUP: tl.constexpr,  # channels per value scale
+    TILE_N: tl.constexpr,  # positions per inner step; divides group, so a key tile lies inside one key group
     TILE_D: tl.constexpr,  # head dim padded to a power of two
 ):
     pid = tl.program_id(0).to(tl.int64)  # one program per (sequence, query head); 64-bit offsets below
@@ -169,60 +259,49 @@ def _kivi_decode_kernel(
     kv_row = b * H_KV + (pid % (H_KV * n_rep)) // n_rep  # the (sequence, K/V head) query head h reads: h // n_rep
     dims = tl.arange(0, TILE_D)
     dim_ok = dims < D
-    byte = dims // (8 // BITS)  # 2 bits: code d is in byte d // 4 ...
-    shift = (dims % (8 // BITS)) * BITS  # ... at bits 2 * (d % 4), 2 * (d % 4) + 1
     row_bytes = D // (8 // BITS)
     q = tl.load(q_ptr + pid * D + dims, mask=dim_ok, other=0.0).to(tl.float32)  # (TILE_D,)
-    n_quant = tl.load(n_quant_ptr + b)
-    n_res = tl.load(n_res_ptr + b)
+    n_kq = tl.load(n_kq_ptr + b)
+    n_vq = tl.load(n_vq_ptr + b)
+    n = n_kq + tl.load(n_kr_ptr + b)  # positions of this sequence (= n_vq + n_vr, checked by the wrapper)
+    kq_ptr += kv_row * S_kq * row_bytes  # this (sequence, K/V head)'s rows of every buffer
+    ks_ptr += kv_row * (S_kq // group) * D
+    kz_ptr += kv_row * (S_kq // group) * D
+    kr_ptr += kv_row * R_k * D
+    vq_ptr += kv_row * S_vq * row_bytes
+    vs_ptr += kv_row * S_vq * (D // V_GROUP)
+    vz_ptr += kv_row * S_vq * (D // V_GROUP)
+    vr_ptr += kv_row * R_v * D
     m_i = -1.0e30  # running max (log2 units)
     l_i = 0.0  # running sum of exp2(score - m_i)
     acc = tl.zeros((TILE_D,), dtype=tl.float32)
 
-    # 1) positions 0 .. n_quant - 1: unpack the codes and dequantize them in registers
-    for pos0 in range(0, n_quant, TILE_N):
-        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,)
-        pos_ok = pos < n_quant
-        mask = pos_ok[:, None] & dim_ok[None, :]
-        rows = kv_row * S_q + pos  # (TILE_N,) cache rows
-        codes = tl.load(kq_ptr + rows[:, None] * row_bytes + byte[None, :], mask=mask, other=0).to(tl.int32)
-        codes = (codes >> shift[None, :]) & ((1 << BITS) - 1)  # (TILE_N, TILE_D) in 0 .. 2**BITS - 1
-        grp = kv_row * (S_q // group) + pos0 // group  # this tile's key group: one scale and zero per channel
-        k_scale = tl.load(ks_ptr + grp * D + dims, mask=dim_ok, other=0.0).to(tl.float32)  # (TILE_D,)
-        k_zero = tl.load(kz_ptr + grp * D + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        k = codes.to(tl.float32) * k_scale[None, :] + k_zero[None, :]  # (TILE_N, TILE_D)
-        s = tl.sum(k * q[None, :], axis=1) * qk_scale  # (TILE_N,)
-        s = tl.where(pos_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)  # (TILE_N,)
-        codes = tl.load(vq_ptr + rows[:, None] * row_bytes + byte[None, :], mask=mask, other=0).to(tl.int32)
-        codes = (codes >> shift[None, :]) & ((1 << BITS) - 1)
-        v_scale = tl.load(vs_ptr + rows, mask=pos_ok, other=0.0).to(tl.float32)  # (TILE_N,): one per token
-        v_zero = tl.load(vz_ptr + rows, mask=pos_ok, other=0.0).to(tl.float32)
-        v = codes.to(tl.float32) * v_scale[:, None] + v_zero[:, None]  # (TILE_N, TILE_D)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
+    # Four ranges of positions, each tile read from where its keys and values are (in the cache, values
+    # are quantized up to n_vq <= n_kq; the kernel takes either order):
+    # 1) 0 .. m1 - 1: keys and values both codes (the steady state: nearly every position)
+    m1 = tl.minimum(n_kq, n_vq) // TILE_N * TILE_N
+    for pos0 in range(0, m1, TILE_N):
+        acc, l_i, m_i = _kivi_tile(acc, l_i, m_i, q, pos0, n_kq, n_vq, n, kq_ptr, ks_ptr, kz_ptr, kr_ptr, vq_ptr,
+                                   vs_ptr, vz_ptr, vr_ptr, group, D, dims, dim_ok, qk_scale, True, 0, BITS, V_GROUP,
+                                   TILE_N)
+    # 2) m1 .. n_kq - 1: keys codes (tiles aligned to key groups: m1 is a multiple of TILE_N), values either
+    for pos0 in range(m1, n_kq, TILE_N):
+        acc, l_i, m_i = _kivi_tile(acc, l_i, m_i, q, pos0, n_kq, n_vq, n, kq_ptr, ks_ptr, kz_ptr, kr_ptr, vq_ptr,
+                                   vs_ptr, vz_ptr, vr_ptr, group, D, dims, dim_ok, qk_scale, True, 2, BITS, V_GROUP,
+                                   TILE_N)
+    # 3) n_kq .. e3 - 1: keys exact, values either (only when n_vq > n_kq)
+    e3 = n_kq + (tl.maximum(n_vq - n_kq, 0) + TILE_N - 1) // TILE_N * TILE_N
+    for pos0 in range(n_kq, e3, TILE_N):
+        acc, l_i, m_i = _kivi_tile(acc, l_i, m_i, q, pos0, n_kq, n_vq, n, kq_ptr, ks_ptr, kz_ptr, kr_ptr, vq_ptr,
+                                   vs_ptr, vz_ptr, vr_ptr, group, D, dims, dim_ok, qk_scale, False, 2, BITS, V_GROUP,
+                                   TILE_N)
+    # 4) e3 .. n - 1: keys and values both exact (the windows)
+    for pos0 in range(e3, n, TILE_N):
+        acc, l_i, m_i = _kivi_tile(acc, l_i, m_i, q, pos0, n_kq, n_vq, n, kq_ptr, ks_ptr, kz_ptr, kr_ptr, vq_ptr,
+                                   vs_ptr, vz_ptr, vr_ptr, group, D, dims, dim_ok, qk_scale, False, 1, BITS, V_GROUP,
+                                   TILE_N)
 
-    # 2) positions n_quant .. n_quant + n_res - 1: the residual, read as it is (the same online softmax)
-    for pos0 in range(0, n_res, TILE_N):
-        pos = pos0 + tl.arange(0, TILE_N)
-        pos_ok = pos < n_res
-        mask = pos_ok[:, None] & dim_ok[None, :]
-        rows = kv_row * R + pos
-        k = tl.load(kr_ptr + rows[:, None] * D + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * qk_scale
-        s = tl.where(pos_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        v = tl.load(vr_ptr + rows[:, None] * D + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-
-    out = acc / l_i  # l_i > 0: the wrapper checked n_quant + n_res >= 1
+    out = acc / l_i  # l_i > 0: the wrapper checked n >= 1
     tl.store(o_ptr + pid * D + dims, out.to(o_ptr.dtype.element_ty), mask=dim_ok)
 
 
@@ -233,36 +312,38 @@ def _tile_n(group: int, TILE_D: int) -> int:
     return min(group & -group, cap)
 
 
-def kivi_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n_quant, k_res, v_res, n_res,
-                          group, bits=2):
+def kivi_decode_attention(q, k_packed, k_scale, k_zero, n_kq, k_res, n_kr, v_packed, v_scale, v_zero, n_vq, v_res,
+                          n_vr, group, bits=2):
     """Decode attention over a KIVI cache with the Triton kernel; same arguments and result as the ref.
 
-    One program per (sequence, query head) unpacks and dequantizes the packed codes in registers, then
-    reads the full-precision residual, with one online softmax over both. q and the residual: fp32,
-    fp16 or bf16; scales and zeros fp16 or fp32 (the cache stores fp16).
+    One program per (sequence, query head) unpacks and dequantizes the packed codes in registers and reads
+    the exact windows, with one online softmax over all positions. Keys and values may hold different
+    numbers of quantized positions (keys a multiple of group, values any). q and the windows: fp32, fp16
+    or bf16; scales and zeros fp16 or fp32 (the cache stores fp16).
 
     >>> from kvlib.lowbit import pack_2bit
     >>> from kvlib.runtime import DEVICE
     >>> g = torch.Generator().manual_seed(0)
-    >>> k, v = (torch.randn(1, 2, 40, 16, generator=g).to(DEVICE) for _ in range(2))  # 32 quantized + 8 residual
-    >>> kq, ks, kz = quantize_keys_per_channel(k[:, :, :32], group=16)
-    >>> vq, vs, vz = quantize_values_per_token(v[:, :, :32])
+    >>> k, v = (torch.randn(1, 2, 40, 16, generator=g).to(DEVICE) for _ in range(2))
+    >>> kq, ks, kz = quantize_keys_per_channel(k[:, :, :32], group=16)  # 32 quantized keys + 8 exact
+    >>> vq, vs, vz = _quantize_values(v[:, :, :35], bits=2, v_group=8)  # 35 quantized values + 5 exact
     >>> q = torch.randn(1, 4, 16, generator=g).to(DEVICE)
-    >>> args = (q, pack_2bit(kq), ks.half(), kz.half(), pack_2bit(vq), vs.half(), vz.half(),
-    ...         torch.tensor([32], device=DEVICE), k[:, :, 32:], v[:, :, 32:], torch.tensor([8], device=DEVICE), 16)
+    >>> n = lambda x: torch.tensor([x], device=DEVICE)
+    >>> args = (q, pack_2bit(kq), ks.half(), kz.half(), n(32), k[:, :, 32:], n(8),
+    ...         pack_2bit(vq), vs.half(), vz.half(), n(35), v[:, :, 35:], n(5), 16)
     >>> torch.allclose(kivi_decode_attention(*args), kivi_decode_attention_ref(*args), atol=1e-5)
     True
     """
-    v_scale, v_zero, _, _ = _check_kivi_args(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n_quant, k_res,
-                                             v_res, n_res, group, bits)
-    check_kernel_dtype("lowbit.kivi_decode_attention", "q", q)
-    if not runtime.require_triton("lowbit.kivi_decode_attention", q=q, k_packed=k_packed, k_scale=k_scale,
-                                  k_zero=k_zero, v_packed=v_packed, v_scale=v_scale, v_zero=v_zero, n_quant=n_quant,
-                                  k_res=k_res, v_res=v_res, n_res=n_res):
-        return kivi_decode_attention_ref(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, n_quant, k_res,
-                                         v_res, n_res, group, bits)
+    v_group, _, _, _, _ = _check_kivi_args(q, k_packed, k_scale, k_zero, n_kq, k_res, n_kr, v_packed, v_scale, v_zero,
+                                           n_vq, v_res, n_vr, group, bits)
+    check_kernel_dtype("kivi.kivi_decode_attention", "q", q)
+    if not runtime.require_triton("kivi.kivi_decode_attention", q=q, k_packed=k_packed, k_scale=k_scale,
+                                  k_zero=k_zero, n_kq=n_kq, k_res=k_res, n_kr=n_kr, v_packed=v_packed,
+                                  v_scale=v_scale, v_zero=v_zero, n_vq=n_vq, v_res=v_res, n_vr=n_vr):
+        return kivi_decode_attention_ref(q, k_packed, k_scale, k_zero, n_kq, k_res, n_kr, v_packed, v_scale, v_zero,
+                                         n_vq, v_res, n_vr, group, bits)
     B, H, D = q.shape
-    H_KV, S_q, R = k_packed.shape[1], k_packed.shape[2], k_res.shape[2]
+    H_KV, S_kq, S_vq, R_k, R_v = k_packed.shape[1], k_packed.shape[2], v_packed.shape[2], k_res.shape[2], v_res.shape[2]
 
     def arg(t):  # contiguous, and never an empty buffer (a cache may hold no quantized positions yet)
         return t.contiguous() if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)
@@ -270,10 +351,10 @@ def kivi_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zer
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     TILE_D = max(16, triton.next_power_of_2(D))
     _kivi_decode_kernel[(B * H,)](
-        arg(q), arg(k_packed), arg(v_packed), arg(k_scale), arg(k_zero), arg(v_scale), arg(v_zero),
-        arg(n_quant), arg(n_res), arg(k_res), arg(v_res), out,
-        H_KV, S_q, R, D, H // H_KV, group, (1.0 / math.sqrt(D)) * 1.4426950408889634,
-        BITS=bits, TILE_N=_tile_n(group, TILE_D), TILE_D=TILE_D,
+        arg(q), arg(k_packed), arg(k_scale), arg(k_zero), arg(k_res), arg(v_packed), arg(v_scale), arg(v_zero),
+        arg(v_res), arg(n_kq), arg(n_kr), arg(n_vq), out,
+        H_KV, S_kq, S_vq, R_k, R_v, D, H // H_KV, group, (1.0 / math.sqrt(D)) * 1.4426950408889634,
+        BITS=bits, V_GROUP=v_group, TILE_N=_tile_n(group, TILE_D), TILE_D=TILE_D,
     )
     return out
 
@@ -284,178 +365,248 @@ def kivi_decode_attention(q, k_packed, k_scale, k_zero, v_packed, v_scale, v_zer
 
 
 class KiviCache(KVCache):
-    """KIVI: keys per channel over groups of ``group`` tokens, values per token, in ``bits`` bits (packed,
-    8 // bits codes per byte, fp16 scale + zero), and the newest tokens (up to ``residual``) in full precision.
+    """KIVI: keys per channel over groups of ``group`` = G tokens, values per token over groups of
+    ``v_group`` channels, both in ``bits`` bits (packed, 8 // bits codes per byte, an fp16 scale and zero
+    per group), and an exact window of the newest tokens for each (``residual`` = R of them).
 
-    The rule: a sequence holding n positions keeps its first ``n_quant(n) = group * ceil(max(0, n -
-    residual) / group)`` quantized and the other ``n - n_quant(n)`` (at most ``residual``) as they came.
-    Appending one token to a full residual therefore first quantizes its *oldest group* of tokens into the
-    packed part (with residual == group, KIVI's key rule: the whole residual; with residual > group, at
-    least residual - group + 1 newest tokens stay exact — a KIVI-style sliding window, at group granularity).
-    The layout depends only on n, so a prompt prefilled at once is stored as if fed token by token.
-    KIVI's own code (github.com/jy-yuan/KIVI, models/llama_kivi.py) differs in details: it quantizes all
-    ``residual`` keys at once when they fill up (here the oldest group: the same when residual == group);
-    its values slide one token at a time (here with the keys, a group at a time); its value scales are per
-    group of ``group`` channels (here one per token and head, over all D); its prefill attends in full
-    precision (here over what the cache holds, as Int8KVCache does).
+    Every call attends over what the cache held before it plus its own tokens, exact, causal among
+    themselves, and only then stores them (sliding the windows): so the prompt (a call on an empty cache)
+    attends in full precision over its own exact K/V, a later multi-token call over the dequantized old
+    part + the exact windows + its tokens, and a decode step writes its token into each window's spare
+    row, attends (``kivi_decode_attention``: the kernel when ``kernels`` is "triton", else its reference)
+    and then slides the windows, as KIVI's reference code orders a decode step.
 
-    ``residual`` must be a multiple of ``group``; bits 2 (4 codes per byte), 4 (2 per byte) or 8.
-    Buffers: ``k_packed``/``v_packed`` (B, H_KV, S_q, D * bits / 8) uint8, ``k_scale``/``k_zero`` (B, H_KV,
-    S_q / group, D) fp16, ``v_scale``/``v_zero`` (B, H_KV, S_q) fp16, with S_q = n_quant(max_len); ``k``/``v``
-    (KVCache's buffers, sized R = ``residual``) are the full-precision residual (B, H_KV, R, D): row j holds
-    position n_quant + j. Decode goes through ``kivi_decode_attention`` (the kernel when ``kernels`` is
-    "triton", else its reference); prefill attends over the dequantized part + residual, so the model sees
-    exactly what the cache holds. With residual >= every sequence's length nothing is quantized and the
-    cache computes what KVCache does.
+    The windows slide. Values leave theirs one token at a time, quantized per token: a sequence of n
+    positions holds its ``max(0, n - R)`` oldest values quantized and exactly the R newest exact. Keys leave
+    theirs a whole group at a time, quantized per channel over that group: with ``flush="group"`` (the
+    default) as soon as the window would pass R tokens its oldest G leave, so the first
+    ``G * ceil(max(0, n - R) / G)`` keys are quantized and the window holds between R - G + 1 and R newest
+    keys once full. ``flush="residual"`` is the rule of KIVI's reference code (github.com/jy-yuan/KIVI,
+    models/llama_kivi.py, ``LlamaAttention_KIVI.forward``): the window fills up to R keys and then all R are
+    quantized at once (R * floor(n / R) keys quantized, between 0 and R - 1 exact; a prompt of length S
+    keeps its last S % R keys exact), which keeps fewer keys exact on average (about R / 2 instead of
+    R - G / 2). Either way the layout depends only on n, so tokens stored one at a time or all at once
+    give the same codes (``test_kivi.py`` checks it on one layer; through a model the later layers'
+    K/V differ, since an exact prefill attends differently from a token-by-token one).
+
+    Other differences from the reference code, named where they are made: it runs single-token decode
+    after the prompt only (here a multi-token call slides the windows as the same tokens one at a time
+    would, after attending as above); its value groups are ``group`` channels wide (``v_group`` defaults
+    to 32 here, or D when 32 does not divide D); its scales are in the model's dtype (fp16 there), here
+    always fp16; it grows its tensors by concatenation, here every buffer is preallocated for max_len
+    (``nbytes`` counts the windows' R + 1 rows even while they are empty).
+
+    ``prefill="quantized"`` is *not KIVI*: the prompt's call also stores first and attends through the
+    low-bit codes (and its K/V are then stored as they would be); it shows what attending the prompt
+    through 2 bits costs.
+
+    ``residual`` must be a multiple of ``group`` (as the reference code asserts); bits 2, 4 or 8; ``v_group``
+    must divide head_dim. Buffers (per layer lists): ``k_packed`` (B, H_KV, S_kq, D * bits / 8) uint8,
+    ``k_scale`` / ``k_zero`` (B, H_KV, S_kq / G, D) fp16; ``v_packed`` (B, H_KV, S_vq, D * bits / 8) uint8,
+    ``v_scale`` / ``v_zero`` (B, H_KV, S_vq, D / v_group) fp16, where S_kq and S_vq are the quantized
+    counts at max_len; ``k`` / ``v`` (KVCache's buffers) the exact windows (B, H_KV, R + 1, D): row j
+    holds position (quantized count) + j, and row R is the spare row a decode step writes before the
+    window slides. With residual >= every sequence's length nothing is quantized
+    and the cache computes what KVCache does.
 
     How close (a worst case, per query head and channel d): each stored element is within δ = step / 2 +
     2^-11 (qmax * step + |zero|) of the original (half a step, plus the fp16 rounding of scale and zero), so
     every score q . k_j / sqrt(D) moves by at most ε = max_j Σ_d |q_d| δk_jd / sqrt(D), the attention weights
     by at most tanh(ε / 2) in total variation, and |out_d - exact_d| <= max_j δv_jd + tanh(ε / 2) (max_j v_jd
-    - min_j v_jd). Exact positions (the residual) have δ = 0; on random data the real error is several times
-    smaller than this bound (tests/test_lowbit.py checks it holds).
+    - min_j v_jd). Exact positions (the windows) have δ = 0; on random data the real error is several times
+    smaller than this bound (tests/test_kivi.py checks it holds).
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
     >>> cache = KiviCache.for_model(model, batch=1, max_len=24, bits=2, group=4, residual=8)
     >>> with torch.no_grad():
-    ...     logits = model(torch.arange(11)[None], cache=cache)  # 11 positions: 4 quantized, 7 exact
+    ...     logits = model(torch.arange(11)[None], cache=cache)  # prompt: attended exactly, then stored
     ...     logits = model(torch.tensor([[3]]), positions=cache.next_positions(), cache=cache)
-    >>> cache.seq_lens.tolist(), cache.n_quantized(0), tuple(cache.k_packed[0].shape)  # (B, H_KV, S_q, D / 4)
-    ([12], 4, (1, 2, 16, 4))
+    >>> cache.seq_lens.tolist(), cache.n_quantized(0)  # 12 positions: (keys, values) quantized; 8 exact each
+    ([12], (4, 4))
+    >>> tuple(cache.k_packed[0].shape), tuple(cache.v_scale[0].shape)  # (B, H_KV, S_q, D / 4), (..., D / v_group)
+    ((1, 2, 16, 4), (1, 2, 16, 1))
     """
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, bits=2, group=32, residual=32,
-                 dtype=torch.float32, device="cpu", kernels=None):
+                 dtype=torch.float32, device="cpu", kernels=None, *, v_group=None, prefill="exact", flush="group"):
         bits, group, residual = _check_bits(bits), check_int("group", group), check_int("residual", residual)
         if residual % group:
-            raise ValueError(f"residual={residual} must be a multiple of group={group}: the residual is flushed "
-                             "into the quantized part one whole group of tokens at a time")
-        if check_int("head_dim", head_dim) % (8 // bits):
+            raise ValueError(f"residual={residual} must be a multiple of group={group}: keys leave the exact "
+                             "window one whole group of tokens at a time")
+        D = check_int("head_dim", head_dim)
+        if D % (8 // bits):
             raise ValueError(f"head_dim={head_dim} must be a multiple of {8 // bits} to pack {8 // bits} "
                              f"{bits}-bit codes per byte")
-        super().__init__(n_layers, batch, n_kv_heads, residual, head_dim, dtype, device, kernels)  # the residual
+        v_group = (32 if D % 32 == 0 else D) if v_group is None else check_int("v_group", v_group)
+        if D % v_group:
+            raise ValueError(f"v_group={v_group} must divide head_dim={D}: a value scale serves v_group channels")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if flush not in FLUSH_RULES:
+            raise ValueError(f"flush must be one of {FLUSH_RULES}, got {flush!r}")
+        super().__init__(n_layers, batch, n_kv_heads, residual + 1, head_dim, dtype, device, kernels)  # the windows
         self.max_len = check_int("max_len", max_len)
-        self.bits, self.group, self.residual = bits, group, residual
-        S_q = self._n_quant(self.max_len)  # quantized capacity: whole groups
-        B, H_KV, D = batch, n_kv_heads, head_dim
+        self.bits, self.group, self.residual, self.v_group = bits, group, residual, v_group
+        self.prefill, self.flush = prefill, flush
+        S_kq, S_vq = self._n_kq(self.max_len), self._n_vq(self.max_len)  # quantized capacities
+        B, H_KV = batch, n_kv_heads
 
         def buffers(shape, dtype, fill):
             return [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(n_layers)]
 
-        self.k_packed = buffers((B, H_KV, S_q, D * bits // 8), torch.uint8, 0)
-        self.v_packed = buffers((B, H_KV, S_q, D * bits // 8), torch.uint8, 0)
-        self.k_scale = buffers((B, H_KV, S_q // group, D), torch.float16, 1)  # per (group, channel)
-        self.k_zero = buffers((B, H_KV, S_q // group, D), torch.float16, 0)
-        self.v_scale = buffers((B, H_KV, S_q), torch.float16, 1)  # per token
-        self.v_zero = buffers((B, H_KV, S_q), torch.float16, 0)
+        self.k_packed = buffers((B, H_KV, S_kq, D * bits // 8), torch.uint8, 0)
+        self.k_scale = buffers((B, H_KV, S_kq // group, D), torch.float16, 1)  # per (group of tokens, channel)
+        self.k_zero = buffers((B, H_KV, S_kq // group, D), torch.float16, 0)
+        self.v_packed = buffers((B, H_KV, S_vq, D * bits // 8), torch.uint8, 0)
+        self.v_scale = buffers((B, H_KV, S_vq, D // v_group), torch.float16, 1)  # per (token, channel group)
+        self.v_zero = buffers((B, H_KV, S_vq, D // v_group), torch.float16, 0)
 
     @classmethod
-    def for_model(cls, model, batch, max_len, bits=2, group=32, residual=32, kernels=None):
+    def for_model(cls, model, batch, max_len, bits=2, group=32, residual=32, kernels=None, *, v_group=None,
+                  prefill="exact", flush="group"):
         c = model.config
         return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, bits, group, residual, model.dtype,
-                   model.device, kernels)
+                   model.device, kernels, v_group=v_group, prefill=prefill, flush=flush)
 
-    def _n_quant(self, n):
-        """Positions held quantized when a sequence holds n (an int or a tensor of them): the fewest whole
-        groups that leave at most ``residual`` positions in full precision."""
-        over = n - self.residual
+    def _n_kq(self, n):
+        """Keys held quantized when a sequence holds n positions (an int or a tensor of them)."""
+        G, R = self.group, self.residual
+        if self.flush == "residual":  # KIVI's code: all R at once when the window fills
+            return n // R * R
+        over = n - R
         over = over.clamp(min=0) if isinstance(over, torch.Tensor) else max(0, over)
-        return (over + self.group - 1) // self.group * self.group
+        return (over + G - 1) // G * G  # the fewest whole groups that leave at most R keys exact
 
-    def n_quantized(self, b: int) -> int:
-        """How many of sequence b's positions (the oldest) are held in low bits; the rest are exact."""
-        return int(self._n_quant(int(self.seq_lens[b])))
+    def _n_vq(self, n):
+        """Values held quantized when a sequence holds n positions: all but the R newest."""
+        over = n - self.residual
+        return over.clamp(min=0) if isinstance(over, torch.Tensor) else max(0, over)
+
+    def n_quantized(self, b: int) -> tuple[int, int]:
+        """(keys, values) of sequence b held in low bits (the oldest); the rest are exact."""
+        n = self.held(b)
+        return int(self._n_kq(n)), int(self._n_vq(n))
 
     def nbytes(self) -> int:
-        """Bytes of every buffer: packed codes, scales, zeros and the full-precision residual."""
+        """Bytes of every buffer: packed codes, scales, zeros and the exact windows."""
         return sum(t.nbytes for t in self.k + self.v + self.k_packed + self.v_packed + self.k_scale + self.k_zero
                    + self.v_scale + self.v_zero)
 
     def bytes_per_token(self) -> float:
-        """Steady-state bytes per cached token for the whole model (the residual's fixed R tokens aside).
+        """Steady-state bytes per cached token for the whole model (the windows' fixed 2 (R + 1) rows
+        aside: ``nbytes`` counts them).
 
         Per layer and K/V head: keys D * bits / 8 code bytes + an fp16 scale and zero per channel, shared by
-        the ``group`` tokens of a group (4 D / group); values D * bits / 8 + an fp16 scale and zero (4).
+        the G tokens of a group (4 D / G); values D * bits / 8 + an fp16 scale and zero per v_group channels
+        (4 D / v_group).
 
         >>> KiviCache(n_layers=4, batch=1, n_kv_heads=8, max_len=64, head_dim=32).bytes_per_token()  # 4*8*(8+4 + 8+4)
         768.0
         """
         n_layers, (_, H_KV, _, D) = len(self.k), self.k[0].shape
         codes = D * self.bits / 8
-        return n_layers * H_KV * ((codes + 4 * D / self.group) + (codes + 4))
+        return n_layers * H_KV * ((codes + 4 * D / self.group) + (codes + 4 * D / self.v_group))
 
     def _store(self, layer_idx, k, v):
-        """Append k, v (B, H_KV, T, D) after each sequence's positions; the whole groups that no longer fit
-        in the residual are quantized into the packed part first (the rule in the class docstring)."""
-        T, G = k.shape[2], self.group
+        """Append k, v (B, H_KV, T, D) after each sequence's positions, then slide both windows: the keys
+        and values that leave them are quantized into the packed part (the rules in the class docstring)."""
+        T, G, bits = k.shape[2], self.group, self.bits
         k_res, v_res = self.k[layer_idx], self.v[layer_idx]
         for b, n in enumerate(self.seq_lens.tolist()):
-            start, end = self._n_quant(n), self._n_quant(n + T)  # quantized positions before and after
-            r = n - start  # residual rows in use
-            if end == start:  # nothing to flush: append to the residual
-                k_res[b, :, r: r + T], v_res[b, :, r: r + T] = k[b], v[b]
-                continue
-            tail_k = torch.cat([k_res[b, :, :r], k[b]], dim=1)  # (H_KV, r + T, D): positions start .. n + T - 1
-            tail_v = torch.cat([v_res[b, :, :r], v[b]], dim=1)
-            f = end - start  # the oldest f (whole groups) go to the packed part
-            kq, ks, kz = quantize_keys_per_channel(tail_k[None, :, :f], G, self.bits)  # (1, H_KV, f // G, D) scales
-            vq, vs, vz = quantize_values_per_token(tail_v[None, :, :f], self.bits)  # (1, H_KV, f, 1) scales
-            self.k_packed[layer_idx][b, :, start:end] = pack_bits(kq[0], self.bits)
-            self.k_scale[layer_idx][b, :, start // G: end // G] = ks[0]
-            self.k_zero[layer_idx][b, :, start // G: end // G] = kz[0]
-            self.v_packed[layer_idx][b, :, start:end] = pack_bits(vq[0], self.bits)
-            self.v_scale[layer_idx][b, :, start:end] = vs[0, :, :, 0]
-            self.v_zero[layer_idx][b, :, start:end] = vz[0, :, :, 0]
-            keep = r + T - f
-            k_res[b, :, :keep], v_res[b, :, :keep] = tail_k[:, f:], tail_v[:, f:]
+            # keys: whole groups leave the window
+            start, end = self._n_kq(n), self._n_kq(n + T)
+            r = n - start  # window rows in use
+            if end == start:
+                k_res[b, :, r: r + T] = k[b]
+            else:
+                tail = torch.cat([k_res[b, :, :r], k[b]], dim=1)  # (H_KV, r + T, D): positions start .. n + T - 1
+                f = end - start  # whole groups
+                kq, ks, kz = quantize_keys_per_channel(tail[None, :, :f], G, bits)  # (1, H_KV, f / G, D) scales
+                self.k_packed[layer_idx][b, :, start:end] = pack_bits(kq[0], bits)
+                self.k_scale[layer_idx][b, :, start // G: end // G] = ks[0]
+                self.k_zero[layer_idx][b, :, start // G: end // G] = kz[0]
+                k_res[b, :, :r + T - f] = tail[:, f:]
+            # values: one token at a time (all that left during this call at once: per token, the same codes)
+            start, end = self._n_vq(n), self._n_vq(n + T)
+            r = n - start
+            if end == start:
+                v_res[b, :, r: r + T] = v[b]
+            else:
+                tail = torch.cat([v_res[b, :, :r], v[b]], dim=1)
+                f = end - start
+                vq, vs, vz = _quantize_values(tail[None, :, :f], bits, self.v_group)  # (1, H_KV, f, D / v_group)
+                self.v_packed[layer_idx][b, :, start:end] = pack_bits(vq[0], bits)
+                self.v_scale[layer_idx][b, :, start:end] = vs[0]
+                self.v_zero[layer_idx][b, :, start:end] = vz[0]
+                v_res[b, :, :r + T - f] = tail[:, f:]
+
+    def _held_kv(self, layer_idx, n, dtype):
+        """Every sequence's n positions as the cache holds them, (B, H_KV, n, D) keys and values: the
+        dequantized part, then the exact window (all sequences of equal length n)."""
+        nk, nv = self._n_kq(n), self._n_vq(n)
+        i = layer_idx
+        keys = torch.cat([_dequantize_keys(self.k_packed[i], self.k_scale[i], self.k_zero[i], nk, self.group,
+                                           self.bits, dtype), self.k[i][:, :, :n - nk]], dim=2)
+        values = torch.cat([_dequantize_values(self.v_packed[i], self.v_scale[i], self.v_zero[i], nv, self.bits,
+                                               dtype), self.v[i][:, :, :n - nv]], dim=2)
+        return keys, values
 
     def attend(self, layer_idx, q, k, v):
         """q (B, H, T, D), k/v (B, H_KV, T, D) for the new tokens -> attention output (B, H, T, D)."""
         self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
         T = q.shape[2]
         L = self._make_room(T)  # refuses before anything is written
-        self._store(layer_idx, k, v)
-        packed = [t[layer_idx] for t in (self.k_packed, self.k_scale, self.k_zero, self.v_packed, self.v_scale,
-                                         self.v_zero)]
-        k_res, v_res = self.k[layer_idx], self.v[layer_idx]
         triton_kernels = self.kernels == "triton"
-        if T == 1:  # decode: ragged lengths, each sequence with its own n_quant and n_res
-            n = self.seq_lens + 1
-            n_quant = self._n_quant(n)
+        prefill = flash_attention if triton_kernels else attention_ref
+        i = layer_idx
+        if T == 1:  # decode: the token goes into each window's next row, is attended, then the windows slide
+            n = self.seq_lens.long()
+            n_kq, n_vq = self._n_kq(n), self._n_vq(n)
+            for b, (nb, kb, vb) in enumerate(zip(n.tolist(), n_kq.tolist(), n_vq.tolist())):
+                self.k[i][b, :, nb - kb], self.v[i][b, :, nb - vb] = k[b, :, 0], v[b, :, 0]
             decode = kivi_decode_attention if triton_kernels else kivi_decode_attention_ref
-            out = decode(q[:, :, 0], *packed, n_quant, k_res, v_res, n - n_quant, self.group,
-                         self.bits)[:, :, None]  # (B, H, 1, D)
-        else:  # prefill: every sequence holds L positions now
-            nq = self._n_quant(L)
-            k_q, v_q = _dequantize_kivi(*packed, nq, self.group, self.bits, q.dtype)  # (B, H_KV, nq, D)
-            k_all = torch.cat([k_q, k_res[:, :, :L - nq]], dim=2)  # (B, H_KV, L, D)
-            v_all = torch.cat([v_q, v_res[:, :, :L - nq]], dim=2)
-            out = (flash_attention if triton_kernels else attention_ref)(q, k_all, v_all, causal=True)
-        self._advance(layer_idx, T)
+            out = decode(q[:, :, 0], self.k_packed[i], self.k_scale[i], self.k_zero[i], n_kq, self.k[i], n + 1 - n_kq,
+                         self.v_packed[i], self.v_scale[i], self.v_zero[i], n_vq, self.v[i], n + 1 - n_vq, self.group,
+                         self.bits)[:, :, None]  # (B, H, 1, D): ragged, each sequence with its own counts
+        elif L == T and self.prefill == "quantized":  # not KIVI: the prompt stored first, attended through its codes
+            self._store(i, k, v)
+            out = prefill(q, *self._held_kv(i, L, q.dtype), causal=True)
+        else:  # the prompt (nothing held: exact attention) or a later call: what is held + its own tokens, exact
+            keys, values = self._held_kv(i, L - T, q.dtype)  # (B, H_KV, L - T, D)
+            out = prefill(q, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2), causal=True)
+        if T == 1 or L > T or self.prefill == "exact":
+            self._store(i, k, v)  # then the windows slide: what leaves them is quantized
+        self._advance(i, T)
         return out
 
 
 # How kvlib.compile_check builds the decode kernel: the wrapper's launch for 32 query heads over 8 K/V heads,
-# D = 128, fp16 queries, residual and scales, KIVI's group of 32 tokens, 2-bit and 4-bit codes.
-def _compile_launch(bits: int, group: int = 32):
-    B, H, H_KV, S_q, R, D = 2, 32, 8, 1024, 32, 128
-    codes = torch.zeros(B, H_KV, S_q, D // (8 // bits), dtype=torch.uint8)
-    k_scale, k_zero = (torch.ones(B, H_KV, S_q // group, D, dtype=torch.float16) for _ in range(2))
-    v_scale, v_zero = (torch.ones(B, H_KV, S_q, dtype=torch.float16) for _ in range(2))
+# D = 128, fp16 queries, windows and scales, KIVI's group of 32 tokens and value groups of 32 channels,
+# residual 128, two sequences (1024 and 517 positions) as KiviCache lays them out, 2-bit and 4-bit codes.
+def _compile_launch(bits: int, group: int = 32, v_group: int = 32, R: int = 128):
+    B, H, H_KV, D, S = 2, 32, 8, 128, 1024
+    n = torch.tensor([S, 517])
+    n_kq, n_vq = (n - R + group - 1) // group * group, n - R
+    S_kq, S_vq = int(n_kq.max()), int(n_vq.max())
+    per = 8 // bits
+    k_codes = torch.zeros(B, H_KV, S_kq, D // per, dtype=torch.uint8)
+    v_codes = torch.zeros(B, H_KV, S_vq, D // per, dtype=torch.uint8)
+    k_scale, k_zero = (torch.ones(B, H_KV, S_kq // group, D, dtype=torch.float16) for _ in range(2))
+    v_scale, v_zero = (torch.ones(B, H_KV, S_vq, D // v_group, dtype=torch.float16) for _ in range(2))
     res = torch.zeros(B, H_KV, R, D, dtype=torch.float16)
-    return kivi_decode_attention(torch.zeros(B, H, D, dtype=torch.float16), codes, k_scale, k_zero, codes.clone(),
-                                 v_scale, v_zero, torch.tensor([S_q, 512]), res, res.clone(), torch.tensor([7, 32]),
-                                 group, bits)
+    return kivi_decode_attention(torch.zeros(B, H, D, dtype=torch.float16), k_codes, k_scale, k_zero, n_kq, res,
+                                 n - n_kq, v_codes, v_scale, v_zero, n_vq, res.clone(), n - n_vq, group, bits)
 
 
 def _kivi_loop(a):
-    """One step of the quantized loop: packed K and V codes, the key group's scale + zero per channel and the
-    values' scale + zero per token; every query head of a group reads them again."""
+    """One step of the steady-state loop (range 1: keys and values both codes): packed K and V codes, the key
+    group's scale + zero per channel and the values' scale + zero per (token, channel group); every query head
+    of a group reads them again."""
     rows, d = a["TILE_N"], a["TILE_D"]
     codes = 2 * rows * d * a["BITS"] // 8
-    return dict(bytes=codes + 2 * d * a["ks_ptr"].element_size() + 2 * rows * a["vs_ptr"].element_size(),
-                reread=a["n_rep"], loop=0)
+    return dict(bytes=codes + 2 * d * a["ks_ptr"].element_size()
+                + 2 * rows * (d // a["V_GROUP"]) * a["vs_ptr"].element_size(), reread=a["n_rep"], loop=0)
 
 
 COMPILE_SPECS = [dict(name=f"KIVI {bits}-bit decode fp16 32/8", launch=lambda bits=bits: _compile_launch(bits),

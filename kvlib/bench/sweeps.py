@@ -722,21 +722,24 @@ def engine(ctx: Ctx) -> Iterator[Point]:
 # --------------------------------------------------------------------------------------------
 
 
-def _kivi_inputs(ctx, B, H_KV, S, D, dtype, group=32, residual=32):
-    """Random 2-bit codes (packed), fp16 scales / zeros, and a full-precision tail of ``residual`` rows."""
+def _kivi_inputs(ctx, B, H_KV, S, D, dtype, group=32, residual=32, v_group=32):
+    """Random 2-bit codes (packed), fp16 scales / zeros and exact windows, laid out as KiviCache holds S
+    positions: the values' window the ``residual`` newest, the keys' the newest S - group * ceil((S - residual)
+    / group); value scales per (token, group of ``v_group`` channels)."""
     gen = torch.Generator(device=ctx.device).manual_seed(1)
-    n_q = S - residual
-    codes = lambda: torch.randint(0, 256, (B, H_KV, n_q, D // 4), dtype=torch.uint8, device=ctx.device,  # noqa: E731
-                                  generator=gen)
+    v_group = v_group if D % v_group == 0 else D
+    n_vq = max(0, S - residual)
+    n_kq = (n_vq + group - 1) // group * group
+    codes = lambda n: torch.randint(0, 256, (B, H_KV, n, D // 4), dtype=torch.uint8, device=ctx.device,  # noqa: E731
+                                    generator=gen)
     small = lambda *shape: (0.01 + 0.02 * torch.rand(*shape, device=ctx.device, generator=gen)).half()  # noqa: E731
-    kp, vp = codes(), codes()
-    ks, kz = small(B, H_KV, n_q // group, D), -small(B, H_KV, n_q // group, D)
-    vs, vz = small(B, H_KV, n_q), -small(B, H_KV, n_q)
-    k_res = _randn(B, H_KV, residual, D, dtype=dtype, device=ctx.device)
-    v_res = _randn(B, H_KV, residual, D, dtype=dtype, device=ctx.device)
-    n_quant = torch.full((B,), n_q, dtype=torch.int32, device=ctx.device)
-    n_res = torch.full((B,), residual, dtype=torch.int32, device=ctx.device)
-    args = (kp, ks, kz, vp, vs, vz, n_quant, k_res, v_res, n_res, group)
+    kp, vp = codes(n_kq), codes(n_vq)
+    ks, kz = small(B, H_KV, n_kq // group, D), -small(B, H_KV, n_kq // group, D)
+    vs, vz = small(B, H_KV, n_vq, D // v_group), -small(B, H_KV, n_vq, D // v_group)
+    k_res = _randn(B, H_KV, S - n_kq, D, dtype=dtype, device=ctx.device)
+    v_res = _randn(B, H_KV, S - n_vq, D, dtype=dtype, device=ctx.device)
+    lens = lambda n: torch.full((B,), n, dtype=torch.int32, device=ctx.device)  # noqa: E731
+    args = (kp, ks, kz, lens(n_kq), k_res, lens(S - n_kq), vp, vs, vz, lens(n_vq), v_res, lens(S - n_vq), group)
     nbytes = kp.nbytes + vp.nbytes + ks.nbytes + kz.nbytes + vs.nbytes + vz.nbytes + k_res.nbytes + v_res.nbytes
     return args, nbytes
 
