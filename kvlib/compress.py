@@ -7,6 +7,10 @@ What you will learn:
   ``LowRankKVCache`` stores only each row's ``rank`` coefficients and attends in that rank-r space
   *without rebuilding a key*: the query is projected instead, since q . (U c) = (U^T q) . c.
   rank/D of the bytes, and chapter 03's decode kernel unchanged (it just sees head dim r);
+- low rank before RoPE, as Palu does: fitted on the keys before the rotation (``fit_low_rank(...,
+  keys="pre_rope")``), the basis no longer has to cover every rotated copy of a direction, so the same
+  rank loses far less; the price is that the query cannot absorb U (RoPE sits between), so the cache
+  rebuilds the keys and rotates them when it attends. ``values="exact"`` keeps the values whole (K only);
 - MLA (multi-head latent attention, DeepSeek-V2): low rank trained in from the start. Each token
   caches one latent c_kv of d_c numbers shared by every head, plus one small RoPE key.
   ``LatentAttention.decode_absorbed`` folds W_uk into the query and applies W_uv after the softmax,
@@ -31,7 +35,7 @@ from .cache import (CacheFullError, KVCache, check_attend_args, check_int, decod
                     store_kv, store_kv_ref)
 from .gqa import finetune
 from .memory import dtype_bytes
-from .model import ModelConfig, Transformer, apply_rope, rope_cos_sin
+from .model import ModelConfig, Transformer, apply_rope, rope_cos_sin, rope_frequencies, rotate
 from .train import evaluate
 
 __all__ = ["record_kv", "fit_low_rank", "low_rank_error", "LowRankKVCache", "MLAConfig", "LatentAttention",
@@ -51,30 +55,52 @@ def _tiny_model(n_layers=2):
 # --------------------------------------------------------------------------------------------
 
 
-class _RecordingSeam:
-    """A seam object that keeps each layer's k and v (after RoPE) and attends over exactly the tokens given."""
+KEY_FITS = ("post_rope", "pre_rope")  # where fit_low_rank takes the keys: after RoPE (absorbed) or before (Palu)
+VALUE_MODES = ("low_rank", "exact")  # LowRankKVCache's values: r coefficients (U_v folded in after attention) or D
 
-    def __init__(self):
+
+def _check_keys(keys) -> str:
+    if keys not in KEY_FITS:
+        raise ValueError(f"keys must be one of {KEY_FITS} (where the key bases are fitted), got {keys!r}")
+    return keys
+
+
+class _RecordingSeam:
+    """A seam object that keeps each layer's k and v and attends over exactly the tokens given.
+
+    With ``inv_freq`` it asks the model for keys *before* RoPE (``keys_before_rope``), keeps those, and
+    rotates them at positions 0..T-1 itself before attending, so the forward pass is the model's own."""
+
+    def __init__(self, inv_freq=None):
         self.k, self.v = {}, {}
+        self.inv_freq = inv_freq
+        self.keys_before_rope = inv_freq is not None
 
     def attend(self, layer_idx, q, k, v):
         self.k[layer_idx], self.v[layer_idx] = k.detach(), v.detach()
+        if self.keys_before_rope:
+            cos, sin = rope_cos_sin(torch.arange(k.shape[2], device=k.device), self.inv_freq.to(k.device), k.dtype)
+            k = rotate(k, cos, sin)  # (B, H_KV, T, D) at positions 0..T-1, as the model would have
         return attention_ref(q, k, v, causal=True)
 
 
 @torch.no_grad()
-def record_kv(model, ids):
-    """The model's keys (after RoPE) and values on ``ids``, teacher-forced: two lists, one (B, H_KV, T, D) per layer.
+def record_kv(model, ids, keys: str = "post_rope"):
+    """The model's keys and values on ``ids``, teacher-forced: two lists, one (B, H_KV, T, D) per layer.
 
-    ids: a (B, T) or (T,) integer tensor.
+    ids: a (B, T) or (T,) integer tensor, at positions 0..T-1. keys: "post_rope" (the keys a KVCache
+    stores, rotated at their positions) or "pre_rope" (k = x W_k, before the rotation).
 
     >>> ks, vs = record_kv(_tiny_model(), torch.arange(12) % 16)
     >>> len(ks), tuple(ks[0].shape)  # one (B, H_KV, T, D) per layer
     (2, (1, 2, 12, 16))
+    >>> pre, _ = record_kv(_tiny_model(), torch.arange(12) % 16, keys="pre_rope")
+    >>> [torch.allclose(pre[0][:, :, t], ks[0][:, :, t]) for t in (0, 1)]  # position 0 is not rotated, 1 is
+    [True, False]
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2):
         raise ValueError(f"ids must be a (B, T) or (T,) tensor of token ids, got {getattr(ids, 'shape', type(ids))}")
-    seam = _RecordingSeam()
+    seam = _RecordingSeam(rope_frequencies(model.config) if _check_keys(keys) == "pre_rope" else None)
     model(ids.view(1, -1) if ids.dim() == 1 else ids, cache=seam)
     n = model.config.n_layers
     return [seam.k[i] for i in range(n)], [seam.v[i] for i in range(n)]
@@ -93,27 +119,53 @@ def _directions(x):
     return torch.linalg.svd(rows, full_matrices=False).Vh.transpose(1, 2)  # (H_KV, D, D)
 
 
-def fit_low_rank(model, ids, rank: int):
+class _FittedBases(list):
+    """fit_low_rank's list of (U_k, U_v) pairs, tagged with where the key bases were fitted (``fitted_keys``),
+    so that LowRankKVCache picks the matching attention and refuses the other one."""
+
+    def __init__(self, pairs, fitted_keys):
+        super().__init__(pairs)
+        self.fitted_keys = fitted_keys
+
+
+def fit_low_rank(model, ids, rank: int, keys: str = "post_rope"):
     """Per layer (U_k, U_v), each (H_KV, D, rank) with orthonormal columns: the top right-singular
-    vectors of the keys (after RoPE) and values the model produces on ``ids`` (not centred: a row is
+    vectors of the keys and values the model produces on ``ids`` (not centred: a row is
     approximated by U U^T row).
+
+    keys: "post_rope" fits U_k on the keys after RoPE (what ``LowRankKVCache`` absorbs into the query);
+    "pre_rope" fits it on k = x W_k before RoPE, as Palu does (Chang et al. 2024, "Palu: Compressing
+    KV-Cache with Low-Rank Projection", arXiv:2407.21118): the cache then rebuilds each key and rotates it.
+    Before RoPE a head's keys keep one set of directions at every position; after it, position p turns
+    them by p's angles, so one basis must cover every rotated copy and the rank needed grows. The default
+    stays "post_rope", the contrast chapter 09 starts from; the returned list remembers which (its
+    ``fitted_keys``), and the cache follows it.
+
+    Palu itself decomposes the projection weight W_k (M-LRD: one factorization per head, or G-LRD over
+    groups of heads) with SVD-LLM's whitening and allocates ranks per layer by Fisher information. Per
+    head, the SVD of the recorded pre-RoPE keys X W_k is the rank-r W_k U U^T that minimises
+    ||X W_k - X W'||_F, i.e. the whitened objective, on this calibration text; here every layer and
+    head gets the same rank and no groups are formed.
 
     >>> bases = fit_low_rank(_tiny_model(), torch.arange(64) % 16, rank=4)
     >>> U_k, U_v = bases[0]
     >>> len(bases), tuple(U_k.shape), torch.allclose(U_k[0].T @ U_k[0], torch.eye(4), atol=1e-5)
     (2, (2, 16, 4), True)
+    >>> fit_low_rank(_tiny_model(), torch.arange(64) % 16, rank=4, keys="pre_rope").fitted_keys
+    'pre_rope'
     """
     rank = _check_rank(rank, model.config.head_dim)
-    ks, vs = record_kv(model, ids)
+    ks, vs = record_kv(model, ids, keys=_check_keys(keys))
     cast = dict(dtype=model.dtype, device=model.device)
-    return [(_directions(k)[..., :rank].to(**cast).contiguous(), _directions(v)[..., :rank].to(**cast).contiguous())
-            for k, v in zip(ks, vs)]
+    return _FittedBases([(_directions(k)[..., :rank].to(**cast).contiguous(),
+                          _directions(v)[..., :rank].to(**cast).contiguous()) for k, v in zip(ks, vs)], keys)
 
 
-def low_rank_error(model, ids, ranks, fit_ids=None) -> dict:
+def low_rank_error(model, ids, ranks, fit_ids=None, keys: str = "post_rope") -> dict:
     """{rank: {"k": error, "v": error}}: relative reconstruction error ||X - X U U^T|| / ||X|| (Frobenius,
     over all layers and heads) of the model's keys and values on ``ids``, with bases fitted on
-    ``fit_ids`` (default: ``ids`` itself, where the SVD's error is the smallest possible).
+    ``fit_ids`` (default: ``ids`` itself, where the SVD's error is the smallest possible). keys: the keys
+    after or before RoPE, as in ``fit_low_rank`` (the values are the same either way).
 
     >>> model = _tiny_model()
     >>> err = low_rank_error(model, torch.arange(64) % 16, [2, 8, 16])
@@ -122,8 +174,8 @@ def low_rank_error(model, ids, ranks, fit_ids=None) -> dict:
     """
     D = model.config.head_dim
     ranks = [_check_rank(r, D) for r in ranks]
-    fit_k, fit_v = record_kv(model, ids if fit_ids is None else fit_ids)
-    ks, vs = (fit_k, fit_v) if fit_ids is None else record_kv(model, ids)
+    fit_k, fit_v = record_kv(model, ids if fit_ids is None else fit_ids, keys=keys)
+    ks, vs = (fit_k, fit_v) if fit_ids is None else record_kv(model, ids, keys=keys)
     dirs = {"k": [_directions(x) for x in fit_k], "v": [_directions(x) for x in fit_v]}
     out = {}
     for r in ranks:
@@ -159,18 +211,43 @@ def _check_bases(bases, n_layers=None, n_kv_heads=None, head_dim=None):
     return len(bases), *want
 
 
+def _store_rows(buf, new, start, triton_kernels):
+    """Write new (B, H_KV, T, d) rows into one buffer (B, H_KV, S_max, d) at start[b]: chapter 03's store,
+    handed the buffer as both of its caches (the K-only cache's two buffers differ in width)."""
+    (store_kv if triton_kernels else store_kv_ref)(buf, buf, new, new, start)
+
+
 class LowRankKVCache(KVCache):
-    """Chapter 03's cache storing r coefficients per K/V row instead of D numbers: (B, H_KV, S_max, r).
+    """Chapter 03's cache storing r coefficients per K (and V) row instead of D numbers: (B, H_KV, S_max, r).
 
     For each layer and K/V head, a basis U (D, r) with orthonormal columns (``fit_low_rank``):
-    store c_k = k U_k and c_v = v U_v. Attention never rebuilds a key: the query is projected,
-    scores = (q U_k) . c_k / sqrt(D) (the scale stays 1/sqrt(D): these are the same dot products, up
-    to the lost directions), and out = (p c_v) U_v^T. Decode reuses ``decode_attention`` (or its ref)
-    unchanged with head dim r: it scales by 1/sqrt(r), so the projected query is pre-multiplied by
-    sqrt(r / D). No new kernel. ``self.k[layer]`` / ``self.v[layer]`` hold the coefficients.
+    store c_k = k U_k and c_v = v U_v. Three ways to attend, chosen by ``keys`` and ``values``:
 
-    ``nbytes`` and ``bytes_per_token`` count the coefficient buffers only: the bases (2 x n_layers x H_KV x
-    D x r numbers) are weights shared by every sequence, whatever their length.
+    - keys="post_rope" (bases fitted on keys after RoPE), values="low_rank": attention never rebuilds a
+      key: the query is projected, scores = (q U_k) . c_k / sqrt(D) (the scale stays 1/sqrt(D): these are
+      the same dot products, up to the lost directions), and out = (p c_v) U_v^T. Decode reuses
+      ``decode_attention`` (or its ref) unchanged with head dim r: it scales by 1/sqrt(r), so the projected
+      query is pre-multiplied by sqrt(r / D). No new kernel;
+    - keys="pre_rope" (Palu, Chang et al. 2024, "Palu: Compressing KV-Cache with Low-Rank Projection",
+      arXiv:2407.21118): the cache sets ``keys_before_rope``, so the model hands it k before RoPE; it stores
+      c_k = k U_k and, when it attends, rebuilds every key (c_k U_k^T) and rotates it at its position
+      (slot s holds position s, as in KVCache). The query cannot absorb U_k here: RoPE rotates each
+      position by its own angles, R_p U_k != U_k R_p, so q . R_p U_k c is not (U_k^T q) . c for one U_k
+      shared by all positions. Palu fuses the rebuild and the rotation into its attention kernel; here
+      rebuild + rotate + attention is one step in plain PyTorch (fp32, like ``attention_ref``), for the
+      torch and the triton kernels alike (only the store uses chapter 03's kernel). V stays absorbed:
+      out = (p c_v) U_v^T;
+    - values="exact" (with either keys): a K-only cache, the values kept whole, (B, H_KV, S_max, D),
+      U_v unused; attention is the plain-PyTorch step above (the rank-r keys and D-wide values no longer
+      fit chapter 03's kernel, which wants K and V of one width).
+
+    ``self.k[layer]`` holds the key coefficients, ``self.v[layer]`` the value coefficients (or the values).
+    ``keys=None`` takes where the bases were fitted (``fit_low_rank``'s ``fitted_keys``; "post_rope" for
+    a plain list); naming the other one is refused.
+
+    ``nbytes`` and ``bytes_per_token`` count the coefficient (and value) buffers only: per token and layer
+    H_KV x (r + r) numbers, or H_KV x (r + D) for the K-only cache. The bases (2 x n_layers x H_KV x D x r
+    numbers) are weights shared by every sequence, whatever their length.
 
     V's basis could be folded into the model's weights (W_v U_v, then U_v^T W_o); K's cannot, since
     RoPE sits between W_k and the cache. That is why MLA (below) keeps a separate small RoPE key.
@@ -184,22 +261,44 @@ class LowRankKVCache(KVCache):
     >>> small = LowRankKVCache.for_model(model, 1, 16, fit_low_rank(model, torch.arange(64) % 16, rank=4))
     >>> tuple(small.k[0].shape), cache.bytes_per_token(), small.bytes_per_token()  # 2 layers x K,V x 2 heads x r x 4 B
     ((1, 2, 16, 4), 512, 128)
+    >>> pre = fit_low_rank(model, torch.arange(64) % 16, rank=4, keys="pre_rope")  # Palu: bases before RoPE
+    >>> palu, k_only = (LowRankKVCache.for_model(model, 1, 16, pre, values=v) for v in ("low_rank", "exact"))
+    >>> palu.keys_before_rope, palu.bytes_per_token(), k_only.bytes_per_token()  # K-only: 2 x 2 x (4 + 16) x 4 B
+    (True, 128, 320)
     """
 
-    shared_attrs = ("U_k", "U_v")  # every sequence uses the same bases
+    shared_attrs = ("U_k", "U_v", "inv_freq")  # every sequence uses the same bases and RoPE frequencies
 
-    def __init__(self, bases, batch, max_len, dtype=torch.float32, device="cpu", kernels=None):
+    def __init__(self, bases, batch, max_len, dtype=torch.float32, device="cpu", kernels=None, keys=None,
+                 values="low_rank", inv_freq=None):
         n_layers, H_KV, D, r = _check_bases(bases)
+        fitted = getattr(bases, "fitted_keys", None)
+        keys = (fitted or "post_rope") if keys is None else _check_keys(keys)
+        if fitted is not None and keys != fitted:
+            raise ValueError(f"keys={keys!r}, but these bases were fitted on keys {fitted.replace('_', ' ')} "
+                             f"(fit_low_rank(..., keys={keys!r}) fits the other kind)")
+        if values not in VALUE_MODES:
+            raise ValueError(f"values must be one of {VALUE_MODES}, got {values!r}")
+        if keys == "pre_rope":
+            if not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (D // 2,) or D % 2:
+                raise ValueError(f"keys='pre_rope' needs inv_freq, the model's (D/2,) = ({D // 2},) RoPE "
+                                 f"frequencies, to rotate the rebuilt keys; got {getattr(inv_freq, 'shape', inv_freq)}")
+            inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         super().__init__(n_layers, batch, H_KV, max_len, r, dtype, device, kernels)  # coefficients (B, H_KV, S_max, r)
+        if values == "exact":  # the values whole: (B, H_KV, S_max, D)
+            self.v = [torch.zeros(batch, H_KV, max_len, D, dtype=dtype, device=device) for _ in range(n_layers)]
         self.U_k = [u.to(device, dtype).contiguous() for u, _ in bases]  # per layer (H_KV, D, r)
-        self.U_v = [u.to(device, dtype).contiguous() for _, u in bases]
-        self.head_dim = D
+        self.U_v = None if values == "exact" else [u.to(device, dtype).contiguous() for _, u in bases]
+        self.head_dim, self.keys, self.values = D, keys, values
+        self.inv_freq = inv_freq if keys == "pre_rope" else None  # (D/2,) fp32
+        self.keys_before_rope = keys == "pre_rope"  # the model's seam then hands over k before RoPE
 
     @classmethod
-    def for_model(cls, model, batch, max_len, bases, kernels=None):
+    def for_model(cls, model, batch, max_len, bases, kernels=None, keys=None, values="low_rank"):
         c = model.config
         _check_bases(bases, c.n_layers, c.n_kv_heads, c.head_dim)
-        return cls(bases, batch, max_len, model.dtype, model.device, kernels)
+        return cls(bases, batch, max_len, model.dtype, model.device, kernels, keys=keys, values=values,
+                   inv_freq=rope_frequencies(c).to(model.device))
 
     def _check_attend(self, layer_idx, q, k, v, kv_dtype):
         B, H_KV = self.k[0].shape[:2]
@@ -209,13 +308,23 @@ class LowRankKVCache(KVCache):
     def attend(self, layer_idx, q, k, v):
         self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
         B, H, T, D = q.shape
-        U_k, U_v = self.U_k[layer_idx], self.U_v[layer_idx]  # (H_KV, D, r)
+        U_k = self.U_k[layer_idx]  # (H_KV, D, r)
         H_KV, r = U_k.shape[0], U_k.shape[2]
         start = self.seq_lens
         L = self._make_room(T)
-        c_k, c_v = self.k[layer_idx], self.v[layer_idx]  # (B, H_KV, S_max, r)
+        c_k, c_v = self.k[layer_idx], self.v[layer_idx]  # (B, H_KV, S_max, r); c_v (..., D) when values are exact
         triton_kernels = self.kernels == "triton"
-        (store_kv if triton_kernels else store_kv_ref)(c_k, c_v, (k @ U_k).contiguous(), (v @ U_v).contiguous(), start)
+        new_k = (k @ U_k).contiguous()  # (B, H_KV, T, r): before or after RoPE, as k arrives
+        if self.values == "exact":
+            _store_rows(c_k, new_k, start, triton_kernels)
+            _store_rows(c_v, v.contiguous(), start, triton_kernels)
+        else:
+            (store_kv if triton_kernels else store_kv_ref)(c_k, c_v, new_k, (v @ self.U_v[layer_idx]).contiguous(),
+                                                           start)
+        if self.keys == "pre_rope" or self.values == "exact":
+            out = self._attend_torch(layer_idx, q, start, L)
+            self._advance(layer_idx, T)
+            return out
         # query head h reads K/V head h // n_rep: project it into that head's rank-r space, scale for the kernel
         q_r = (q.reshape(B, H_KV, H // H_KV, T, D) @ U_k[:, None]).reshape(B, H, T, r)  # (B, H, T, r)
         q_r = q_r * math.sqrt(r / D)  # the kernels divide by sqrt(r); these scores need 1/sqrt(D)
@@ -225,9 +334,30 @@ class LowRankKVCache(KVCache):
         else:
             prefill = flash_attention if triton_kernels else attention_ref
             o_r = prefill(q_r, c_k[:, :, :L], c_v[:, :, :L], causal=True)  # (B, H, T, r)
-        out = o_r.reshape(B, H_KV, H // H_KV, T, r) @ U_v.transpose(1, 2)[:, None]  # back to D dims: (..., T, D)
+        out = o_r.reshape(B, H_KV, H // H_KV, T, r) @ self.U_v[layer_idx].transpose(1, 2)[:, None]  # (..., T, D)
         self._advance(layer_idx, T)
         return out.reshape(B, H, T, D)
+
+    def _attend_torch(self, layer_idx, q, start, S):
+        """Attention of q (B, H, T, D) over the first S slots, in fp32: sequence b's new token t sits at
+        position start[b] + t and sees the slots 0 .. start[b] + t (causal prefill and ragged decode alike)."""
+        B, H, T, D = q.shape
+        U_k = self.U_k[layer_idx].float()  # (H_KV, D, r)
+        H_KV, n_rep = U_k.shape[0], H // U_k.shape[0]
+        c_k = self.k[layer_idx][:, :, :S].float()  # (B, H_KV, S, r)
+        q = q.float().reshape(B, H_KV, n_rep * T, D)  # the query heads that read K/V head h, rows (rep, t)
+        if self.keys == "pre_rope":  # rebuild the keys and rotate each at its position
+            cos, sin = rope_cos_sin(torch.arange(S, device=q.device), self.inv_freq, torch.float32)  # (S, D)
+            scores = q @ rotate(c_k @ U_k.transpose(1, 2), cos, sin).transpose(-1, -2)  # (B, H_KV, n_rep*T, S)
+        else:  # keys after RoPE: the query absorbs U_k
+            scores = (q @ U_k) @ c_k.transpose(-1, -2)
+        q_pos = (start.long()[:, None] + torch.arange(T, device=q.device)).repeat(1, n_rep)  # (B, n_rep*T)
+        seen = torch.arange(S, device=q.device) <= q_pos[..., None]  # (B, n_rep*T, S)
+        probs = torch.softmax((scores / math.sqrt(D)).masked_fill(~seen[:, None], float("-inf")), dim=-1)
+        out = probs @ self.v[layer_idx][:, :, :S].float()  # (B, H_KV, n_rep*T, r or D)
+        if self.values == "low_rank":
+            out = out @ self.U_v[layer_idx].float().transpose(1, 2)  # back to D dims
+        return out.reshape(B, H, T, D).to(self.k[0].dtype)
 
 
 # --------------------------------------------------------------------------------------------

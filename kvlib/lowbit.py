@@ -10,8 +10,10 @@ What you will learn:
   (``quantize_keys_per_channel``), values per token (``quantize_values_per_token``);
 - mixed precision by layer: measure what quantizing one layer's K/V does to the next-token
   distribution (``layer_sensitivity``, a KL divergence) and give the bits to the layers that need them
-  (``plan_bits``). ``LayerQuantCache`` *simulates* it: it stores the dequantized values in the model's
-  dtype and computes the bytes the real layout would take.
+  (``plan_bits``, within a budget of bits or of bytes; 16 keeps a layer unquantized). ``LayerQuantCache``
+  *simulates* it, keys per channel in groups of tokens and values per token as KIVI does (or keys per
+  token, the contrast): it stores the dequantized values in the model's dtype and computes the bytes the
+  real layout would take, scales and zeros included.
 
 KIVI's cache and its decode kernel are in ``kvlib.kivi``.
 """
@@ -23,7 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache, check_int
+from .attention import attention_ref, flash_attention
+from .cache import KVCache, check_int, decode_attention, decode_attention_ref, store_kv, store_kv_ref
 from .quant import _dims
 
 __all__ = ["quantize_asym", "dequantize_asym", "pack_bits", "unpack_bits", "pack_2bit", "unpack_2bit",
@@ -198,48 +201,137 @@ def _round_trip(x: torch.Tensor, bits: int) -> torch.Tensor:
     return dequantize_asym(q, scale.half(), zero.half(), x.dtype)
 
 
+def _round_trip_keys_per_channel(k: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """k (B, H_KV, S, D), S a multiple of group: quantized per channel over each group of tokens (fp16 scale
+    and zero) and back, in k's dtype."""
+    q, scale, zero = quantize_keys_per_channel(k, group, bits)
+    scale, zero = scale.half().repeat_interleave(group, 2), zero.half().repeat_interleave(group, 2)  # per token
+    return dequantize_asym(q, scale, zero, k.dtype)
+
+
+KEY_LAYOUTS = ("per_channel", "per_token")  # LayerQuantCache's keys: KIVI's grouping, or one scale per row
+
+
 class LayerQuantCache(KVCache):
-    """Mixed precision by layer, *simulated*: ``bits[i]`` is layer i's format (16 = kept as is; 8 / 4 / 2 =
-    asymmetric per-token quantization of K and V, one fp16 scale + zero per row of D).
+    """Mixed precision by layer, *simulated*: ``bits[i]`` is layer i's format, 16 = kept as is (counted as
+    fp16), 8 / 4 / 2 = asymmetric quantization with fp16 scales and zeros:
+
+    - values: per token, one (scale, zero) per row of D, quantized as they arrive;
+    - keys, ``keys="per_channel"`` (the default, KIVI's grouping: Liu et al. 2024, "KIVI: A Tuning-Free
+      Asymmetric 2bit Quantization for KV Cache", arXiv:2402.02750): one (scale, zero) per channel over each
+      group of ``group`` consecutive tokens, so an outlier channel only widens its own scale. A group can
+      only be quantized once its ``group`` tokens exist: the newest, partial group is kept exact, like
+      KIVI's full-precision residual, and counted at 16 bits in ``bytes_per_token(length=...)``; when a call
+      completes a group, the group is quantized before that call attends (what is stored is what is read).
+      KIVI keeps a residual of up to R tokens (R >= group) and its newest values in full precision too;
+      here the residual is only the partial group, and values are quantized at once.
+    - a call always attends over what is stored, the prefill too (as the per-token layout did before): a
+      real quantized cache (KIVI) attends over the prompt's full-precision K/V during the prefill and
+      quantizes afterwards, so this simulation is the stricter of the two on the prompt's own tokens.
+    - keys, ``keys="per_token"``: like the values, one (scale, zero) per row - the contrast KIVI rejects,
+      since a few outlier channels set every row's range.
 
     Every K/V row is quantized and dequantized on store, and the *dequantized* values are stored in the
     model's dtype (KVCache's buffers): the model sees exactly the values a real layout would give back, but
     the memory is not saved (``nbytes``). ``bytes_per_token`` is what the real layout would take.
 
     >>> from kvlib.model import ModelConfig, Transformer
-    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
-    >>> cache = LayerQuantCache.for_model(model, batch=1, max_len=8, bits=[16, 2])  # layer 1 in 2 bits
+    >>> with torch.random.fork_rng():
+    ...     _ = torch.manual_seed(0)
+    ...     model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = LayerQuantCache.for_model(model, batch=1, max_len=40, bits=[16, 2])  # layer 1: 2 bits, groups of 32
     >>> with torch.no_grad():
-    ...     logits = model(torch.tensor([[1, 2, 3]]), cache=cache)
-    >>> cache.k[1][0, 0, 0].unique().numel() <= 4, cache.bytes_per_token()  # 4 levels; 2*2*(16*2) + 2*2*(16*2/8 + 4)
-    (True, 160.0)
+    ...     logits = model(torch.arange(40)[None] % 16, cache=cache)
+    >>> k = cache.k[1][0, 0]  # (S_max, D): K/V head 0 of layer 1
+    >>> k[:32, 0].unique().numel() <= 4, k[32:, 0].unique().numel()  # group 0 quantized per channel; 8 newest exact
+    (True, 8)
+    >>> cache.bytes_per_token()  # 2*2*(16*2) + 2*(16*2/8 + 2*2*16/32) + 2*(16*2/8 + 4)
+    156.0
+    >>> cache.bytes_per_token(length=40)  # with the 8 exact keys of the partial group: layer 1 costs 38.4
+    166.4
     """
 
     shared_attrs = ("bits",)  # one format per layer, the same for every sequence
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, bits, dtype=torch.float32, device="cpu",
-                 kernels=None):
+                 kernels=None, *, keys="per_channel", group=32):
         super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, dtype, device, kernels)
         if isinstance(bits, (str, bytes)) or not hasattr(bits, "__len__") or len(bits) != len(self.k):
             raise ValueError(f"bits must be a list with one entry per layer ({len(self.k)}), got {bits!r}")
         self.bits = tuple(_check_bits(b, LAYER_BITS) for b in bits)
+        if keys not in KEY_LAYOUTS:
+            raise ValueError(f"keys must be one of {KEY_LAYOUTS} (how keys are grouped), got {keys!r}")
+        self.keys, self.group = keys, check_int("group", group)
 
     @classmethod
-    def for_model(cls, model, batch, max_len, bits, kernels=None):
+    def for_model(cls, model, batch, max_len, bits, kernels=None, *, keys="per_channel", group=32):
         c = model.config
-        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, bits, model.dtype, model.device, kernels)
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, bits, model.dtype, model.device, kernels,
+                   keys=keys, group=group)
 
-    def bytes_per_token(self) -> float:
-        """What the real layout would take per cached token, summed over layers: per layer and K/V head, K
-        and V each D * bits / 8 bytes (+ 4 for an fp16 scale and zero when bits < 16)."""
+    def layer_bytes(self, bits: int) -> float:
+        """Bytes per cached token one layer takes in format ``bits`` (all its K/V heads, K and V), with the
+        keys' partial group left out: 16 -> D * 2 each; otherwise D * bits / 8 each, plus for the values an
+        fp16 scale and zero per token (4 bytes) and for the keys 4 bytes per token ("per_token") or an fp16
+        scale and zero per channel per group (4 * D / group bytes per token, "per_channel")."""
+        bits = _check_bits(bits, LAYER_BITS)
         _, H_KV, _, D = self.k[0].shape
-        return float(sum(2 * H_KV * (D * b / 8 + (4 if b < 16 else 0)) for b in self.bits))
+        if bits == 16:
+            return float(2 * H_KV * D * 2)
+        key_scales = 4 * D / self.group if self.keys == "per_channel" else 4
+        return float(H_KV * (D * bits / 8 + key_scales) + H_KV * (D * bits / 8 + 4))
+
+    def bytes_per_token(self, length: int | None = None) -> float:
+        """What the real layout would take per cached token, summed over layers (``layer_bytes``).
+
+        length: None gives the rate of a long sequence (the partial group's share goes to 0); a length n
+        gives the average over n tokens when the newest n % group keys of each per-channel layer are still
+        exact (counted as fp16, D * 2 bytes per K/V head) and the rest quantized."""
+        total = sum(self.layer_bytes(b) for b in self.bits)
+        if length is None:
+            return float(total)
+        n = check_int("length", length)
+        _, H_KV, _, D = self.k[0].shape
+        if self.keys == "per_channel":
+            exact = n % self.group  # keys of the partial group: fp16 instead of codes + their scales
+            for b in self.bits:
+                if b < 16:
+                    quant_keys = H_KV * (D * b / 8 + 4 * D / self.group)
+                    total += exact * (H_KV * D * 2 - quant_keys) / n
+        return float(total)
+
+    def _quantize_completed_groups(self, layer_idx, start, T):
+        """Per-channel keys: quantize (in place) every group of ``group`` tokens this call completed."""
+        G, bits, k_cache = self.group, self.bits[layer_idx], self.k[layer_idx]
+        for b, s in enumerate(start.tolist()):
+            first, end = s // G, (s + T) // G  # groups first .. end-1 are complete now; those before first were done
+            if end > first:
+                rows = k_cache[b: b + 1, :, first * G: end * G]
+                rows.copy_(_round_trip_keys_per_channel(rows, G, bits))
 
     def attend(self, layer_idx, q, k, v):
         self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
-        if self.bits[layer_idx] < 16:
-            k, v = _round_trip(k, self.bits[layer_idx]), _round_trip(v, self.bits[layer_idx])
-        return super().attend(layer_idx, q, k, v)
+        bits = self.bits[layer_idx]
+        if bits == 16:
+            return super().attend(layer_idx, q, k, v)
+        v = _round_trip(v, bits)
+        if self.keys == "per_token":
+            return super().attend(layer_idx, q, _round_trip(k, bits), v)
+        # KVCache.attend with one step between the store and the attention: complete groups get quantized
+        T, start = q.shape[2], self.seq_lens
+        L = self._make_room(T)
+        triton_kernels = self.kernels == "triton"
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
+        self._quantize_completed_groups(layer_idx, start, T)
+        if T == 1:
+            decode = decode_attention if triton_kernels else decode_attention_ref
+            out = decode(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
+        else:
+            prefill = flash_attention if triton_kernels else attention_ref
+            out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
+        self._advance(layer_idx, T)
+        return out
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -263,18 +355,21 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def layer_sensitivity(model, ids, bits: int = 2, progress: bool = False) -> list[float]:
+def layer_sensitivity(model, ids, bits: int = 2, progress: bool = False, *, keys: str = "per_channel",
+                      group: int = 32) -> list[float]:
     """For each layer: the mean KL divergence (nats per token) of the next-token distribution when only that
-    layer's K/V are quantized to ``bits`` (``LayerQuantCache``), teacher-forced over the token ids ``ids``.
+    layer's K/V are quantized to ``bits`` (``LayerQuantCache`` with ``keys`` and ``group``), teacher-forced
+    over the token ids ``ids``.
 
     The reference P is the same forward with every layer at 16 (a full-precision cache). One forward of
-    ``ids`` (a 1-D list or tensor) per layer.
+    ``ids`` (a 1-D list or tensor) per layer. With per-channel keys, the last len(ids) % group keys stay
+    exact (``LayerQuantCache``).
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> with torch.random.fork_rng():
     ...     _ = torch.manual_seed(0)
     ...     model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
-    >>> sens = layer_sensitivity(model, [1, 5, 2, 7, 3, 9], bits=2)
+    >>> sens = layer_sensitivity(model, [1, 5, 2, 7, 3, 9], bits=2, group=2)
     >>> len(sens), all(s >= 0 for s in sens)
     (2, True)
     """
@@ -286,7 +381,8 @@ def layer_sensitivity(model, ids, bits: int = 2, progress: bool = False) -> list
     n_layers = model.config.n_layers
 
     def logits_with(layer_bits):
-        return model(x, cache=LayerQuantCache.for_model(model, 1, x.shape[1], layer_bits))[0]  # (T, V)
+        cache = LayerQuantCache.for_model(model, 1, x.shape[1], layer_bits, keys=keys, group=group)
+        return model(x, cache=cache)[0]  # (T, V)
 
     full = logits_with([16] * n_layers)
     layers = range(n_layers)
@@ -298,11 +394,18 @@ def layer_sensitivity(model, ids, bits: int = 2, progress: bool = False) -> list
             for layer in layers]
 
 
-def plan_bits(sensitivity, budget_bits: float, choices=(8, 4, 2)) -> list[int]:
-    """A bits-per-layer plan whose average is at most ``budget_bits``, the wider formats to the more sensitive.
+def plan_bits(sensitivity, budget_bits: float | None = None, choices=(8, 4, 2), *, budget_bytes: float | None = None,
+              layer_bytes=None) -> list[int]:
+    """A bits-per-layer plan within a budget, the wider formats to the more sensitive layers.
+
+    The budget is either ``budget_bits``, the average bits per layer, or ``budget_bytes``, the bytes per
+    token of the whole plan, with ``layer_bytes`` {bits: bytes per token of one layer in that format} for
+    every choice (``LayerQuantCache.layer_bytes``, which counts scales and zeros: at equal bits a 2-bit
+    layer pays relatively more for them than an 8-bit one, so equal bytes is the fair comparison).
+    ``choices`` may include 16, a layer kept unquantized ("FP16 for the important layers").
 
     Greedy, in rounds: every layer starts at the narrowest choice; each round visits the layers from the
-    most sensitive down and moves each one step up, to the next wider choice, if the average still fits the
+    most sensitive down and moves each one step up, to the next wider choice, if the plan still fits the
     budget; rounds repeat until nothing moves. One step at a time, because the first extra bits buy the
     most (the quantization step halves with every bit): on the tiny model, 4 bits everywhere beats
     8 + 4 + 2 + 2 at the same budget. A more sensitive layer never gets fewer bits than a less sensitive
@@ -310,21 +413,46 @@ def plan_bits(sensitivity, budget_bits: float, choices=(8, 4, 2)) -> list[int]:
 
     >>> plan_bits([0.1, 0.5, 0.2, 0.05], budget_bits=5)  # round 1: every layer 2 -> 4; round 2: layer 1 -> 8
     [4, 8, 4, 4]
+    >>> cost = {16: 768.0, 8: 420.0, 4: 228.0, 2: 132.0}  # SmolLM2's bytes/token of a layer, keys per channel, G=32
+    >>> plan_bits([0.1, 0.5, 0.2, 0.05], choices=(16, 2), budget_bytes=4 * 420.0, layer_bytes=cost)  # 4 x INT8's bytes
+    [2, 16, 2, 2]
     """
     sens = [float(s) for s in sensitivity]
     if not sens or any(not math.isfinite(s) for s in sens):
         raise ValueError(f"sensitivity must be a non-empty list of finite numbers, one per layer, got {sensitivity!r}")
     choices = sorted({_check_bits(c, LAYER_BITS) for c in choices})  # narrowest first
-    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not budget_bits >= choices[0]:
-        raise ValueError(f"budget_bits must be a number >= the narrowest choice {choices[0]}, got {budget_bits!r}")
+    if (budget_bits is None) == (budget_bytes is None):
+        raise ValueError("give one budget: budget_bits (average bits per layer) or budget_bytes (bytes per token)")
+    if budget_bits is not None:
+        if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not budget_bits >= choices[0]:
+            raise ValueError(f"budget_bits must be a number >= the narrowest choice {choices[0]}, got {budget_bits!r}")
+        if layer_bytes is not None:
+            raise ValueError("layer_bytes goes with budget_bytes; budget_bits counts bits")
+        cost = {c: float(c) for c in choices}
+        allowance = budget_bits * len(sens)  # total bits over all layers
+    else:
+        if not isinstance(layer_bytes, dict) or any(c not in layer_bytes for c in choices):
+            raise ValueError(f"budget_bytes needs layer_bytes, a dict {{bits: bytes per token of one layer}} for every "
+                             f"choice {tuple(choices)}, got {layer_bytes!r}")
+        cost = {c: float(layer_bytes[c]) for c in choices}
+        if any(not math.isfinite(cost[c]) or cost[c] <= 0 for c in choices) or \
+                any(cost[a] >= cost[b] for a, b in zip(choices, choices[1:])):
+            raise ValueError(f"layer_bytes must give positive costs that grow with the bits, got {layer_bytes!r}")
+        floor = cost[choices[0]] * len(sens)
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or \
+                not budget_bytes >= floor * (1 - 1e-12):
+            raise ValueError(f"budget_bytes must be a number >= {floor:g}, every layer at the narrowest choice "
+                             f"{choices[0]}, got {budget_bytes!r}")
+        allowance = float(budget_bytes)
+    slack = 1e-9 * allowance  # sums of float costs: a plan that spends exactly the budget fits
     plan = [choices[0]] * len(sens)
-    allowance = budget_bits * len(sens)  # total bits over all layers
     order = sorted(range(len(sens)), key=lambda i: -sens[i])  # most sensitive first (ties: the lower layer)
     moved = True
     while moved:
         moved = False
         for layer in order:
             wider = [c for c in choices if c > plan[layer]]
-            if wider and sum(plan) - plan[layer] + wider[0] <= allowance:
+            spent = sum(cost[b] for b in plan)
+            if wider and spent - cost[plan[layer]] + cost[wider[0]] <= allowance + slack:
                 plan[layer], moved = wider[0], True
     return plan

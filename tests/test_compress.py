@@ -13,7 +13,7 @@ from kvlib.compress import (MLA_CONFIGS, CrossLayerKVCache, LatentAttention, Lat
                             mha_bytes_per_token, mla_bytes_per_token, mla_gqa_groups, record_kv)
 from kvlib.generate import generate
 from kvlib.gqa import finetune
-from kvlib.model import ModelConfig, Transformer, load_tiny
+from kvlib.model import ModelConfig, Transformer, load_tiny, rope_cos_sin, rope_frequencies, rotate
 from kvlib.train import evaluate
 
 TEXT = ("Return the number of items in a container. If the optional argument is given, it is used as the "
@@ -164,6 +164,126 @@ def test_low_rank_rejects_bad_rank_and_bases(tiny):
         cache.reset(1, 5)
     with pytest.raises(ValueError, match="k and v must be"):  # coefficients are not what the seam hands over
         cache.attend(0, torch.zeros(1, 8, 1, D), torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# low rank before RoPE (Palu) and the K-only cache
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pre_rope_keys_rotated_are_the_post_rope_keys(gqa_model):
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(4))
+    post, v_post = record_kv(gqa_model, ids)
+    pre, v_pre = record_kv(gqa_model, ids, keys="pre_rope")
+    cos, sin = rope_cos_sin(torch.arange(9), rope_frequencies(gqa_model.config), torch.float32)
+    for layer in range(3):
+        torch.testing.assert_close(rotate(pre[layer], cos, sin), post[layer])  # the same forward, keys before RoPE
+        torch.testing.assert_close(v_pre[layer], v_post[layer])
+    assert not torch.allclose(pre[1][:, :, 1:], post[1][:, :, 1:])  # positions > 0 are rotated
+
+
+def test_pre_rope_bases_are_orthonormal_tagged_and_fit_keys_better(tiny):
+    model, _, ids = tiny
+    c = model.config
+    bases = fit_low_rank(model, ids, 8, keys="pre_rope")
+    assert bases.fitted_keys == "pre_rope" and fit_low_rank(model, ids, 8).fitted_keys == "post_rope"
+    eye = torch.eye(8).expand(c.n_kv_heads, 8, 8)
+    for U_k, U_v in bases:
+        assert U_k.shape == U_v.shape == (c.n_kv_heads, c.head_dim, 8)
+        torch.testing.assert_close(U_k.transpose(1, 2) @ U_k, eye, atol=1e-5, rtol=0)
+        torch.testing.assert_close(U_v.transpose(1, 2) @ U_v, eye, atol=1e-5, rtol=0)
+    pre = low_rank_error(model, ids[:200], [8], fit_ids=ids[200:], keys="pre_rope")[8]
+    post = low_rank_error(model, ids[:200], [8], fit_ids=ids[200:])[8]
+    assert pre["k"] < 0.7 * post["k"]  # one basis per head instead of one for every rotated copy (0.22 vs 0.55)
+    assert pre["v"] == pytest.approx(post["v"])  # values are not rotated: the same fit
+
+
+@pytest.mark.parametrize("keys, values", [("pre_rope", "low_rank"), ("pre_rope", "exact"), ("post_rope", "exact")])
+def test_rank_d_variants_are_token_identical_to_the_full_cache(tiny, prompts, keys, values):
+    model, _, ids = tiny
+    bases = fit_low_rank(model, ids, model.config.head_dim, keys=keys)
+    cache = LowRankKVCache.for_model(model, batch=2, max_len=64, bases=bases, values=values)
+    assert cache.keys_before_rope == (keys == "pre_rope")
+    assert torch.equal(generate(model, prompts, 24, cache=cache), generate(model, prompts, 24))  # ragged prompts
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("values", ["low_rank", "exact"])
+def test_pre_rope_attention_equals_attention_over_rebuilt_rotated_keys(gqa_model, kernels, values):
+    """r < D: the cache == a seam that keeps k U U^T before RoPE, rotates every key at its position and
+    attends (values v U_v U_v^T, or v itself for the K-only cache); prefill and decode."""
+    model, r = gqa_model, 5
+    ids = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(2))
+    bases = fit_low_rank(model, torch.randint(0, 32, (1, 40), generator=torch.Generator().manual_seed(3)), r,
+                         keys="pre_rope")
+    inv_freq = rope_frequencies(model.config)
+
+    class Rebuilt:  # keys arrive before RoPE; rotate the kept rows at positions 0 .. S-1 on every call
+        keys_before_rope = True
+
+        def __init__(self):
+            self.k, self.v = {}, {}
+
+        def attend(self, i, q, k, v):
+            U_k, U_v = bases[i]
+            k = k @ U_k @ U_k.transpose(1, 2)
+            v = v if values == "exact" else v @ U_v @ U_v.transpose(1, 2)
+            self.k[i] = torch.cat([self.k[i], k], 2) if i in self.k else k
+            self.v[i] = torch.cat([self.v[i], v], 2) if i in self.v else v
+            cos, sin = rope_cos_sin(torch.arange(self.k[i].shape[2]), inv_freq, torch.float32)
+            return attention_ref(q, rotate(self.k[i], cos, sin), self.v[i], causal=True)
+
+    ref = Rebuilt()
+    cache = LowRankKVCache.for_model(model, 2, 10, bases, kernels=kernels, values=values)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, cache=cache), model(ids, cache=ref), atol=1e-4, rtol=1e-4)
+        for step in range(2):
+            nxt = torch.tensor([[3 + step], [9]])
+            pos = cache.next_positions()
+            torch.testing.assert_close(model(nxt, positions=pos, cache=cache), model(nxt, positions=pos, cache=ref),
+                                       atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rank", [4, 16])
+def test_bytes_of_the_pre_rope_and_k_only_caches(tiny, rank):
+    model, _, ids = tiny
+    c, B, S = model.config, 2, 32
+    bases = fit_low_rank(model, ids, rank, keys="pre_rope")
+    palu = LowRankKVCache.for_model(model, batch=B, max_len=S, bases=bases)
+    k_only = LowRankKVCache.for_model(model, batch=B, max_len=S, bases=bases, values="exact")
+    assert palu.bytes_per_token() == c.n_layers * c.n_kv_heads * (rank + rank) * 4  # fp32 coefficients
+    assert k_only.bytes_per_token() == c.n_layers * c.n_kv_heads * (rank + c.head_dim) * 4  # V whole
+    assert k_only.nbytes() == k_only.bytes_per_token() * B * S and palu.nbytes() == palu.bytes_per_token() * B * S
+    assert tuple(k_only.k[0].shape) == (B, c.n_kv_heads, S, rank) and tuple(k_only.v[0].shape)[-1] == c.head_dim
+    assert k_only.U_v is None  # no value basis kept
+
+
+def test_pre_rope_and_k_only_reject_bad_arguments(tiny):
+    model, _, ids = tiny
+    D = model.config.head_dim
+    with pytest.raises(ValueError, match=r"keys must be one of \('post_rope', 'pre_rope'\)"):
+        fit_low_rank(model, ids, 4, keys="before")
+    with pytest.raises(ValueError, match="keys must be one of"):
+        record_kv(model, ids, keys=None)
+    pre, post = fit_low_rank(model, ids, 4, keys="pre_rope"), fit_low_rank(model, ids, 4)
+    with pytest.raises(ValueError, match="fitted on keys pre rope"):
+        LowRankKVCache.for_model(model, 1, 8, pre, keys="post_rope")
+    with pytest.raises(ValueError, match="fitted on keys post rope"):
+        LowRankKVCache.for_model(model, 1, 8, post, keys="pre_rope")
+    with pytest.raises(ValueError, match=r"values must be one of \('low_rank', 'exact'\)"):
+        LowRankKVCache.for_model(model, 1, 8, pre, values="full")
+    with pytest.raises(ValueError, match=r"keys='pre_rope' needs inv_freq.*\(16,\)"):
+        LowRankKVCache(list(pre), batch=1, max_len=8, keys="pre_rope")  # a plain list: no tag, no frequencies
+    with pytest.raises(ValueError, match="needs inv_freq"):
+        LowRankKVCache(list(pre), 1, 8, keys="pre_rope", inv_freq=torch.ones(D))
+    assert LowRankKVCache(list(pre), 1, 8, keys="pre_rope", inv_freq=rope_frequencies(model.config)).keys_before_rope
+    k_only = LowRankKVCache.for_model(model, 1, 4, pre, values="exact")
+    with pytest.raises(CacheFullError):
+        with torch.no_grad():
+            model(torch.zeros(1, 5, dtype=torch.long), cache=k_only)
+    assert k_only.held(0) == 0
+    with pytest.raises(ValueError, match="k and v must be"):
+        k_only.attend(0, torch.zeros(1, 8, 1, D), torch.zeros(1, 8, 1, 4), torch.zeros(1, 8, 1, D))
 
 
 # ---------------------------------------------------------------------------------------------

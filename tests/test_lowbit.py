@@ -119,10 +119,10 @@ def test_layer_cache_at_16_bits_is_the_contiguous_cache(model):
     assert torch.equal(a, b) and not torch.equal(a, c) and torch.isfinite(c).all()
 
 
-def test_layer_cache_stores_the_dequantized_values_and_counts_the_real_bytes(tiny):
+def test_layer_cache_per_token_keys_store_the_dequantized_values_and_count_the_real_bytes(tiny):
     model, _ = tiny
     c = model.config
-    cache = LayerQuantCache.for_model(model, 1, 16, [16, 8, 4, 2])
+    cache = LayerQuantCache.for_model(model, 1, 16, [16, 8, 4, 2], keys="per_token")
     with torch.no_grad():
         model(torch.tensor([list(range(65, 81))]), cache=cache)
     for layer, bits in enumerate([8, 4, 2], start=1):
@@ -130,7 +130,72 @@ def test_layer_cache_stores_the_dequantized_values_and_counts_the_real_bytes(tin
         assert max(r.unique().numel() for r in rows) <= 2 ** bits
     H_KV, D = c.n_kv_heads, c.head_dim
     assert cache.bytes_per_token() == 2 * H_KV * (D * 2 + (D + 4) + (D / 2 + 4) + (D / 4 + 4))
+    assert cache.bytes_per_token(length=5) == cache.bytes_per_token()  # per token: no partial group
     assert cache.nbytes() == KVCache.for_model(model, 1, 16).nbytes()  # a simulation: nothing is saved
+
+
+def full_precision_kv(model, ids):
+    cache = KVCache.for_model(model, 1, len(ids), kernels="torch")
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_layer_cache_keys_per_channel_quantize_complete_groups_and_keep_the_newest_exact(tiny, bits):
+    """Layer 0's K/V do not depend on the cache: its keys must be quantize_keys_per_channel of the exact keys
+    over the complete groups of 8, exact in the partial group; its values quantized per token."""
+    model, _ = tiny
+    ids, G = list(range(65, 85)), 8  # 20 tokens: groups 0..7, 8..15 complete, 16..19 exact
+    full = full_precision_kv(model, ids)
+    cache = LayerQuantCache.for_model(model, 1, 20, [bits, 16, 16, 16], kernels="torch", group=G)
+    with torch.no_grad():
+        model(torch.tensor([ids[:13]]), cache=cache)  # group 1 still partial after this call ...
+        for t in range(13, 20):  # ... completed by decode step 15
+            model(torch.tensor([[ids[t]]]), positions=torch.tensor([[t]]), cache=cache)
+    k, k_exact = cache.k[0][:, :, :20], full.k[0]
+    q, scale, zero = quantize_keys_per_channel(k_exact[:, :, :16], group=G, bits=bits)
+    want = dequantize_asym(q, scale.half().repeat_interleave(G, 2), zero.half().repeat_interleave(G, 2))
+    torch.testing.assert_close(k[:, :, :16], want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(k[:, :, 16:], k_exact[:, :, 16:], atol=1e-5, rtol=0)  # the partial group: exact
+    assert (k[:, :, :16] - k_exact[:, :, :16]).abs().max() > 1e-3  # (and the complete ones are not)
+    assert max(k[0, h, :8, d].unique().numel() for h in range(2) for d in range(8)) <= 2 ** bits  # per channel
+    assert max(cache.v[0][0, h, t].unique().numel() for h in range(2) for t in range(20)) <= 2 ** bits  # per token
+    with torch.no_grad():
+        one_call = LayerQuantCache.for_model(model, 1, 20, [bits, 16, 16, 16], kernels="torch", group=G)
+        model(torch.tensor([ids]), cache=one_call)
+    torch.testing.assert_close(one_call.k[0], cache.k[0], atol=1e-5, rtol=0)  # the same groups, however fed
+
+
+def test_layer_cache_per_channel_keys_with_ragged_sequences(model):
+    """Each sequence completes its own groups at its own length: a batch of two ragged prompts gives each
+    prompt's tokens and layer-0 keys alone."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 9]]
+    batch = LayerQuantCache.for_model(model, 2, 20, [2, 2], kernels="torch", group=4)
+    out = generate(model, prompts, 9, cache=batch)
+    for b, p in enumerate(prompts):
+        alone = LayerQuantCache.for_model(model, 1, 20, [2, 2], kernels="torch", group=4)
+        assert out[b].tolist() == generate(model, [p], 9, cache=alone)[0].tolist()
+        n = len(p) + 8
+        torch.testing.assert_close(batch.k[0][b, :, :n], alone.k[0][0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_layer_cache_per_channel_bytes_count_scales_zeros_and_the_exact_residual(tiny):
+    model, _ = tiny
+    c = model.config
+    H_KV, D, G = c.n_kv_heads, c.head_dim, 8
+    cache = LayerQuantCache.for_model(model, 1, 16, [16, 8, 4, 2], group=G)
+    layer = {16: 2 * H_KV * D * 2}
+    for b in (8, 4, 2):  # keys: codes + fp16 scale and zero per channel per group; values: codes + 4 B per token
+        layer[b] = H_KV * (D * b / 8 + 4 * D / G) + H_KV * (D * b / 8 + 4)
+        assert cache.layer_bytes(b) == layer[b]
+    assert cache.layer_bytes(16) == layer[16]
+    assert cache.bytes_per_token() == sum(layer.values())
+    exact_keys = H_KV * D * 2  # one fp16 key row per K/V head
+    for n in (8, 16, 21):
+        want = sum(layer.values()) + sum((n % G) * (exact_keys - H_KV * (D * b / 8 + 4 * D / G)) / n for b in (8, 4, 2))
+        assert cache.bytes_per_token(length=n) == pytest.approx(want)
+    assert cache.bytes_per_token(length=21) > cache.bytes_per_token()  # 5 exact keys cost more than codes
 
 
 def test_layer_cache_bad_bits(model):
@@ -140,6 +205,14 @@ def test_layer_cache_bad_bits(model):
         LayerQuantCache.for_model(model, 1, 8, [16, 3])
     with pytest.raises(ValueError, match="one entry per layer"):
         LayerQuantCache.for_model(model, 1, 8, 16)
+    with pytest.raises(ValueError, match=r"keys must be one of \('per_channel', 'per_token'\)"):
+        LayerQuantCache.for_model(model, 1, 8, [16, 2], keys="per_row")
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        LayerQuantCache.for_model(model, 1, 8, [16, 2], group=0)
+    with pytest.raises(ValueError, match="length must be >= 1"):
+        LayerQuantCache.for_model(model, 1, 8, [16, 2]).bytes_per_token(length=0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        LayerQuantCache.for_model(model, 1, 8, [16, 2]).layer_bytes(3)
 
 
 def test_sensitivity_is_positive_and_grows_as_bits_shrink(tiny):
@@ -151,6 +224,8 @@ def test_sensitivity_is_positive_and_grows_as_bits_shrink(tiny):
     assert all(a >= 0 and b >= 0 for a, b in zip(s2, s8))
     assert all(a > b for a, b in zip(s2, s8)), (s2, s8)
     assert layer_sensitivity(model, ids, bits=16) == [0.0] * model.config.n_layers
+    per_token = layer_sensitivity(model, ids, bits=2, keys="per_token")
+    assert per_token != s2 and all(s > 0 for s in per_token)  # the key layout reaches the cache
     with pytest.raises(ValueError, match="1-D list or tensor of token ids"):
         layer_sensitivity(model, [[1, 2]])
 
@@ -173,6 +248,45 @@ def test_plan_bits_respects_the_budget_and_prefers_sensitive_layers():
         plan_bits(sens, 4, choices=(8, 3))
     with pytest.raises(ValueError, match="sensitivity must be a non-empty list"):
         plan_bits([], 4)
+
+
+def test_plan_bits_by_bytes_can_choose_16_and_spends_no_more_than_the_budget(model):
+    cache = LayerQuantCache.for_model(model, 1, 8, [4, 4])  # D = 16, H_KV = 2, groups of 32
+    cost = {b: cache.layer_bytes(b) for b in (16, 8, 4, 2)}
+    assert cost == {16: 128.0, 8: 76.0, 4: 44.0, 2: 28.0}  # e.g. 2 bits: 2 x (4 + 2) keys + 2 x (4 + 4) values
+    sens = [0.3, 0.01, 0.9, 0.05, 0.2, 0.02]
+    int4, int8 = 6 * cost[4], 6 * cost[8]  # uniform INT4's and INT8's bytes per token
+    assert plan_bits(sens, choices=(16, 2), budget_bytes=int8, layer_bytes=cost) == [16, 2, 16, 2, 2, 2]  # 368 B
+    assert plan_bits(sens, choices=(16, 2), budget_bytes=int4, layer_bytes=cost) == [2] * 6  # one FP16 layer: 268
+    assert plan_bits(sens, choices=(16, 8, 4, 2), budget_bytes=int4, layer_bytes=cost) == [4] * 6  # exactly 264
+    assert plan_bits(sens, choices=(8, 2), budget_bytes=int4, layer_bytes=cost) == [8, 2, 8, 2, 2, 2]
+    order = sorted(range(6), key=lambda i: -sens[i])
+    for choices in ((16, 2), (16, 8, 4, 2), (8, 4, 2), (16, 4)):
+        for budget in (6 * cost[min(choices)], 200.0, int4, 300.0, int8, 6 * 128.0):
+            if budget < 6 * cost[min(choices)]:
+                continue
+            plan = plan_bits(sens, choices=choices, budget_bytes=budget, layer_bytes=cost)
+            assert sum(cost[b] for b in plan) <= budget and set(plan) <= set(choices)
+            assert all(plan[a] >= plan[b] for a, b in zip(order, order[1:]))
+    assert plan_bits(sens, choices=(16, 2), budget_bytes=6 * 128.0, layer_bytes=cost) == [16] * 6
+
+
+def test_plan_bits_rejects_bad_budgets():
+    sens, cost = [0.3, 0.1], {16: 128.0, 4: 44.0, 2: 28.0}
+    with pytest.raises(ValueError, match="give one budget"):
+        plan_bits(sens)
+    with pytest.raises(ValueError, match="give one budget"):
+        plan_bits(sens, 4, budget_bytes=100.0, layer_bytes=cost)
+    with pytest.raises(ValueError, match="budget_bytes needs layer_bytes"):
+        plan_bits(sens, choices=(4, 2), budget_bytes=100.0)
+    with pytest.raises(ValueError, match=r"for every choice \(2, 8\)"):
+        plan_bits(sens, choices=(8, 2), budget_bytes=100.0, layer_bytes=cost)
+    with pytest.raises(ValueError, match="grow with the bits"):
+        plan_bits(sens, choices=(4, 2), budget_bytes=100.0, layer_bytes={4: 20.0, 2: 28.0})
+    with pytest.raises(ValueError, match="budget_bytes must be a number >= 56"):
+        plan_bits(sens, choices=(4, 2), budget_bytes=50.0, layer_bytes=cost)
+    with pytest.raises(ValueError, match="layer_bytes goes with budget_bytes"):
+        plan_bits(sens, 4, layer_bytes=cost)
 
 
 def test_kl_divergence():
