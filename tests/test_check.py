@@ -596,6 +596,17 @@ def _variant_sets():
     out.append(("h2o", h2o_accumulate(scores[None], probs[None], 4)[0], mistakes.h2o_update(scores, probs)))
     x2 = torch.randn(3, 4, 32) + 0.5
     out.append(("quantize_2bit", quantize_asym(x2.reshape(3, 4, 4, 8), bits=2, dim=-1), mistakes.quantize_2bit(x2, 8)))
+    from kvlib.lowbit import quantize_keys_per_channel
+
+    for H, H_KV, window, N, kernel in [(4, 4, 4, 20, 5), (8, 2, 6, 30, 7), (9, 3, 5, 17, 3), (6, 1, 3, 9, 7)]:
+        probs = _window_probs(H, window, N, H)
+        out.append((f"snapkv {H} {H_KV}", _snapkv_ref(probs, H_KV, kernel), mistakes.snapkv_priority(probs, H_KV, kernel)))
+    k = torch.randn(3, 24, 16) * torch.linspace(0.5, 4.0, 16)
+    for group in (4, 8):
+        out.append((f"quantize_keys {group}", tuple(t[0] for t in quantize_keys_per_channel(k[None], group)),
+                    mistakes.quantize_keys_2bit(k, group)))
+    args = _mla_inputs(torch.float32)
+    out.append(("absorbed_attention", _mla_materialized(*args), mistakes.absorbed_attention(*args)))
     return out
 
 
@@ -886,6 +897,184 @@ def test_lab09_quantize_2bit_mistakes(mistake, words):
     ref = quantize_asym(x.reshape(3, 4, 4, 8), bits=2, dim=-1)
     assert check(learner(), ref)
     diagnosed(lambda: check(learner(**mistake), ref, mistakes=mistakes.quantize_2bit(x, group)), words)
+
+
+def _window_probs(H, window, N, seed):
+    """The last `window` queries' causal attention over N + window positions, cut to the N before the window."""
+    g = torch.Generator().manual_seed(seed)
+    L = N + window
+    future = torch.arange(L)[None] > torch.arange(N, L)[:, None]
+    return torch.softmax((2 * torch.randn(H, window, L, generator=g)).masked_fill(future, float("-inf")), -1)[..., :N]
+
+
+def _snapkv_ref(probs, n_kv_heads, kernel):
+    """The lab's reference: SnapKVCache's own priority on these probabilities (the window without votes)."""
+    from kvlib.evict import SnapKVCache
+
+    H, window, N = probs.shape
+    L = N + window
+    cache = SnapKVCache(1, 1, n_kv_heads, L, 8, window=window, kernel=kernel, chunk=1)
+    cache.index[0][:] = torch.arange(L + 1)
+    cache.n_held[0][:] = L
+    cache.observe(0, torch.cat([probs, torch.zeros(H, window, window)], dim=-1)[None], L)
+    return cache.priority(0, L)[0]
+
+
+def _snapkv_learner(probs, n_kv_heads, kernel, *, pool=torch.nn.functional.max_pool1d, pad=True, group_mean=False,
+                    queries="sum", modulo=False, pool_first=False, window="inf"):
+    """snapkv_priority as a learner writes it, with one mistake switched on."""
+    H, w, N = probs.shape
+    n_rep = H // n_kv_heads
+    per_head = probs.sum(1) if queries == "sum" else probs.mean(1) if queries == "mean" else probs[:, -1]
+
+    def pooled(x):
+        if pool is None:
+            return x
+        return pool(x[:, None], kernel, stride=1, padding=kernel // 2 if pad else 0)[:, 0]
+
+    if pool_first:
+        per_head = pooled(per_head)
+    if modulo:
+        votes = torch.stack([per_head[g::n_kv_heads].sum(0) for g in range(n_kv_heads)])
+    else:
+        grouped = per_head.view(n_kv_heads, n_rep, N)
+        votes = grouped.mean(1) if group_mean else grouped.sum(1)
+    if not pool_first:
+        votes = pooled(votes)
+    if window == "missing":
+        return votes
+    return torch.cat([votes, torch.full((n_kv_heads, w), float("inf") if window == "inf" else 0.0)], dim=1)
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(pool=torch.nn.functional.avg_pool1d), "average pooling"),
+    (dict(pool=None), "no pooling"),
+    (dict(pad=False), "no padding"),
+    (dict(queries="last"), "last query"),
+    (dict(queries="mean"), "window's queries were averaged"),
+    (dict(window="missing"), "window's positions are missing"),
+    (dict(window="zero"), "priority 0"),
+    (dict(group_mean=True), "query heads were averaged"),
+    (dict(pool_first=True), "pooled before"),
+    (dict(modulo=True), "h % H_KV"),
+])
+def test_lab09_snapkv_mistakes(mistake, words):
+    H, H_KV, window, N, kernel = 8, 2, 6, 30, 7  # a case of the lab's check
+    probs = _window_probs(H, window, N, 3)
+    ref = _snapkv_ref(probs, H_KV, kernel)
+    assert check(_snapkv_learner(probs, H_KV, kernel), ref)
+    diagnosed(lambda: check(_snapkv_learner(probs, H_KV, kernel, **mistake), ref,
+                            mistakes=mistakes.snapkv_priority(probs, H_KV, kernel)), words)
+
+
+def test_lab09_snapkv_reference_is_snapkvs_code_where_the_window_has_no_votes():
+    """SnapKV's code (snapkv_utils.py: votes summed over the window, max-pooled over the positions before it)
+    equals SnapKVCache's priority on those positions when the window's own columns carry no votes."""
+    H, window, N, kernel = 4, 4, 20, 5
+    probs = _window_probs(H, window, N, 1)
+    code = torch.nn.functional.max_pool1d(probs.sum(dim=-2)[None], kernel, padding=kernel // 2, stride=1)[0]
+    ref = _snapkv_ref(probs, H, kernel)
+    assert torch.allclose(ref[:, :N], code, atol=1e-6) and torch.isinf(ref[:, N:]).all()
+
+
+def _keys_learner(k, group, *, levels=3, rounding=torch.round, layout="channel"):
+    """quantize_keys_2bit as a learner writes it, with one mistake switched on."""
+    H_KV, S, D = k.shape
+    if layout == "channel":
+        g, dim = k.reshape(H_KV, S // group, group, D), 2
+    elif layout == "over_channels":
+        g, dim = k.reshape(H_KV, S // group, group, D), -1
+    elif layout == "token":
+        g, dim = k.reshape(H_KV, S, D // group, group), -1
+    elif layout == "all_tokens":
+        g, dim = k, 1
+    else:  # "transposed": exercise 4's layout on k.transpose(1, 2)
+        g, dim = k.transpose(1, 2).reshape(H_KV, D, S // group, group), -1
+    zero = g.amin(dim=dim, keepdim=True)
+    scale = (g.amax(dim=dim, keepdim=True) - zero) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = rounding((g - zero) / scale).clamp(0, 3).to(torch.uint8)
+    if layout == "all_tokens":
+        return q, scale, zero
+    if layout == "transposed":
+        return q.reshape(H_KV, D, S).transpose(1, 2), scale[..., 0], zero[..., 0]
+    if layout == "token":
+        return q.reshape(H_KV, S, D), scale[..., 0], zero[..., 0]
+    return q.reshape(H_KV, S, D), scale[:, :, 0], zero[:, :, 0]
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(layout="token"), "groups of `group` channels inside each token"),
+    (dict(layout="all_tokens"), "over all S tokens"),
+    (dict(layout="over_channels"), "ran over the channels"),
+    (dict(layout="transposed"), "transpose them back"),
+    (dict(levels=4), "(max - min) / 3"),
+    (dict(rounding=torch.floor), "truncated with floor"),
+])
+def test_lab09_quantize_keys_mistakes(mistake, words):
+    from kvlib.lowbit import quantize_keys_per_channel
+
+    k = torch.randn(3, 24, 16, generator=torch.Generator().manual_seed(4)) * torch.linspace(0.5, 4.0, 16)
+    k[1, 8:16, 5] = -0.3
+    group = 8
+    ref = tuple(t[0] for t in quantize_keys_per_channel(k[None], group))
+    assert check(_keys_learner(k, group), ref)
+    diagnosed(lambda: check(_keys_learner(k, group, **mistake), ref, mistakes=mistakes.quantize_keys_2bit(k, group)),
+              words)
+
+
+def _mla_inputs(dtype=torch.float64):
+    g = torch.Generator().manual_seed(6)
+    H, D, D_v, d_c, S = 4, 16, 16, 32, 10
+    q, c = torch.randn(H, D, generator=g, dtype=torch.float64), torch.randn(S, d_c, generator=g, dtype=torch.float64)
+    w_uk = torch.randn(d_c, H * D, generator=g, dtype=torch.float64) / math.sqrt(d_c)
+    w_uv = torch.randn(d_c, H * D_v, generator=g, dtype=torch.float64) / math.sqrt(d_c)
+    return [t.to(dtype) for t in (q, c, w_uk, w_uv)]
+
+
+def _mla_materialized(q, c, w_uk, w_uv):
+    H, D = q.shape
+    S = c.shape[0]
+    k = (c @ w_uk).view(S, H, D).transpose(0, 1)
+    v = (c @ w_uv).view(S, H, -1).transpose(0, 1)
+    scores = (k @ q[:, :, None])[..., 0] / math.sqrt(D)
+    return scores, (torch.softmax(scores, dim=-1)[:, None] @ v)[:, 0]
+
+
+def _mla_learner(q, c, w_uk, w_uv, *, scale="D", uk="hd", uv="hd", softmax_dim=-1, values="uv"):
+    """absorbed_attention as a learner writes it, per head in a loop, with one mistake switched on."""
+    H, D = q.shape
+    d_c = c.shape[1]
+    w_v = w_uv if values == "uv" else w_uk
+    D_v = w_v.shape[1] // H
+    scores, o_lats = [], []
+    for h in range(H):
+        w_h = w_uk[:, h * D:(h + 1) * D] if uk == "hd" else w_uk[:, h::H]  # (d_c, D)
+        scores.append((q[h] @ w_h.T) @ c.T / {"D": math.sqrt(D), "d_c": math.sqrt(d_c), "none": 1.0}[scale])
+    scores = torch.stack(scores)  # (H, S)
+    p = torch.softmax(scores, dim=softmax_dim)
+    out = []
+    for h in range(H):
+        wv_h = w_v[:, h * D_v:(h + 1) * D_v] if uv == "hd" else w_v[:, h::H]
+        out.append((p[h] @ c) @ wv_h)
+    return scores, torch.stack(out)
+
+
+@pytest.mark.parametrize("mistake, words", [
+    (dict(scale="d_c"), "√d_c"),
+    (dict(scale="none"), "not divided by √D"),
+    (dict(softmax_dim=0), "over the heads"),
+    (dict(uk="interleaved"), "W_uk's heads were read interleaved"),
+    (dict(uv="interleaved"), "W_uv's heads were read interleaved"),
+    (dict(values="uk"), "rebuilt with W_uk"),
+])
+def test_lab09_absorbed_attention_mistakes(mistake, words):
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 1e-5)):
+        args = _mla_inputs(dtype)
+        ref = _mla_materialized(*args)
+        assert check(_mla_learner(*args), ref, atol=tol, rtol=tol)
+        diagnosed(lambda: check(_mla_learner(*args, **mistake), ref, atol=tol, rtol=tol,
+                                mistakes=mistakes.absorbed_attention(*args)), words)
 
 
 

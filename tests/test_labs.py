@@ -478,3 +478,17 @@ def test_each_lab_runs_until_its_first_exercise_stub(tmp_path):
         with pytest.raises(CellExecutionError) as err:
             client.execute()
         assert err.value.ename == "NotImplementedError", f"{lab.name}: first error is {err.value.ename}"
+
+
+def test_lab09_headings_give_their_stubs_line_counts():
+    """Each exercise of lab 09 says "(about K lines)" in its heading, and its stub says the same K (issue 21)."""
+    nb = load(REPO / "labs" / "09_keeping_less_lab.ipynb")
+    headings, stubs = [], []
+    for cell in nb.cells:
+        m = re.search(r"^## Exercise (\d+) · .*\(about (\d+) lines?\)", cell.source, re.M)
+        if cell.cell_type == "markdown" and m:
+            headings.append((int(m[1]), int(m[2])))
+        elif cell.cell_type == "code":
+            stubs += [int(n) for n in re.findall(r"# TODO: your code here \(about (\d+) lines?\)", cell.source)]
+    assert [n for n, _ in headings] == list(range(1, len(headings) + 1)) and len(headings) == 6, headings
+    assert [k for _, k in headings] == stubs, (headings, stubs)
