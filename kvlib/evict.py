@@ -13,11 +13,16 @@ What you will learn:
   Evicting rewrites the index and frees slots; nothing is copied. ``index_decode_attention`` is the
   decode kernel that reads K/V through that index (and can also return each held position's
   attention probability, which H2O accumulates);
-- positions after eviction: RoPE is applied before the cache sees a key, so a key keeps the position
-  it was computed at ("kept", the default). StreamingLLM instead numbers the held positions
-  0..n-1 inside the cache ("reassign"): the cache re-rotates each held key to its rank and each new
-  query to the next rank, so positions never exceed the budget (RoPE's rotations compose:
-  rotate(rotate(x, a), b) = rotate(x, a + b)). Notebook 09 measures both;
+- positions after eviction: by default RoPE is applied before the cache sees a key, so a key keeps
+  the position it was computed at ("kept", the default). StreamingLLM (Xiao et al. 2023, "Efficient
+  Streaming Language Models with Attention Sinks", arXiv:2309.17453) instead numbers the held
+  positions 0..n-1 inside the cache ("reassign"), so positions never exceed the budget. Two ways to
+  get there: ``rope="after"`` (the default) stores rotated keys and re-rotates each held key in place
+  to its new rank after an eviction (RoPE's rotations compose: rotate(rotate(x, a), b) =
+  rotate(x, a + b)), which rounds the stored key again at every renumbering and so drifts in half
+  precision; ``rope="before"`` is what StreamingLLM's code does: the cache stores keys *before* RoPE,
+  keeps only each slot's RoPE position (``rot``) and rotates the held keys to it, in fp32, when it
+  attends, so a key is rounded once however often it is renumbered. Notebook 09 measures both;
 - streaming: a long call (a prompt) is processed in ``chunk``-token steps inside every layer, with
   an eviction after each step, so a prompt token never attends to a position already evicted. With a
   chunk as long as the prompt, the prompt attends fully and is compressed once afterwards (SnapKV's
@@ -284,21 +289,41 @@ class BudgetCache(KVCache):
 
     Options every method takes: ``chunk`` (tokens per streaming step of a long call; one extra chunk
     of buffer), ``positions`` ("kept": each key keeps its RoPE position; "reassign": held positions are
-    renumbered 0..n-1 inside the cache, StreamingLLM's rule), ``kernels`` ("triton"/"torch"/None).
+    renumbered 0..n-1 inside the cache, StreamingLLM's rule), ``rope`` ("after": the model rotates
+    keys before the cache stores them, and "reassign" re-rotates stored keys in place, rounding them
+    again each time; "before": ``keys_before_rope`` is set, keys are stored unrotated and rotated to
+    their slot's ``rot`` position in fp32 when attended, as in StreamingLLM's code), ``kernels``
+    ("triton"/"torch"/None). ``rot`` holds, per slot, the RoPE position its key is attended at (the
+    true position with "kept", the rank with "reassign"); ``rotated_keys(layer)`` returns the keys
+    as attention reads them. The index kernel does not rotate yet; rope='before' decodes through
+    PyTorch (also with ``kernels="triton"``).
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    >>> cache = SinkCache(1, 1, 1, 4, 8, n_sink=1, chunk=1, positions="reassign", rope="before", inv_freq=inv)
+    >>> for t in range(6):
+    ...     _ = cache.attend(0, *(torch.randn(1, 1, 1, 8, generator=g) for _ in range(3)))
+    >>> cache.keys_before_rope, cache.held_positions(0)[0].tolist(), tuple(cache.rotated_keys(0).shape)
+    (True, [0, 3, 4, 5], (1, 1, 4, 8))
     """
 
     needs_probs = False  # H2O and SnapKV read each step's attention probabilities
     shared_attrs = ("inv_freq",)
 
     def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, dtype=torch.float32, device="cpu",
-                 kernels=None, *, chunk=32, positions="kept", inv_freq=None):
+                 kernels=None, *, chunk=32, positions="kept", rope="after", inv_freq=None):
         budget, chunk = check_int("budget", budget), check_int("chunk", chunk)
         if positions not in ("kept", "reassign"):
             raise ValueError(f"positions must be 'kept' or 'reassign', got {positions!r}")
+        if rope not in ("before", "after"):
+            raise ValueError(f"rope must be 'before' or 'after', got {rope!r}")
         if positions == "reassign" and inv_freq is None:
             raise ValueError("positions='reassign' re-rotates keys: pass inv_freq (for_model does)")
+        if rope == "before" and inv_freq is None:
+            raise ValueError("rope='before' rotates the stored keys when it attends: pass inv_freq (for_model does)")
         super().__init__(n_layers, batch, n_kv_heads, budget + chunk, head_dim, dtype, device, kernels)
-        self.budget, self.chunk, self.positions = budget, chunk, positions
+        self.budget, self.chunk, self.positions, self.rope = budget, chunk, positions, rope
+        self.keys_before_rope = rope == "before"  # the model's seam then hands us k before RoPE
         self.inv_freq = inv_freq  # RoPE frequencies (D / 2,) or None; shared by sequence(b) (shared_attrs)
         shape = (batch, n_kv_heads, budget + chunk)  # (B, H_KV, N_slots)
         self.index = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]
@@ -339,6 +364,20 @@ class BudgetCache(KVCache):
             self.pos[layer].fill_(-1)
             self.score[layer].zero_()
 
+    def rotated_keys(self, layer_idx: int) -> torch.Tensor:
+        """(B, H_KV, N, D) fp32 keys of ``layer_idx`` as attention reads them, held entries in position
+        order (N = the most any sequence holds; entries past a sequence's ``n_held`` are unused slots)."""
+        return self._gather_keys(layer_idx, int(self.n_held[check_int("layer_idx", layer_idx, minimum=0)].max()))
+
+    def _gather_keys(self, layer_idx, N):
+        kb, index = self.k[layer_idx], self.index[layer_idx]
+        B, H_KV, _, D = kb.shape
+        rows = index[:, :, :N]  # (B, H_KV, N)
+        keys = kb.gather(2, rows[..., None].expand(B, H_KV, N, D)).float()
+        if self.keys_before_rope:  # one rotation, in fp32, from the raw key to the slot's RoPE position
+            keys = rotate(keys, *rope_cos_sin(self.rot[layer_idx].gather(2, rows), self.inv_freq, torch.float32))
+        return keys
+
     # ---- what a method defines ---------------------------------------------------------------
 
     def priority(self, layer_idx: int, N: int) -> torch.Tensor:
@@ -377,9 +416,11 @@ class BudgetCache(KVCache):
         n_old = self.n_held[layer_idx].clone()  # (B,)
         p_new = (self.seq_lens.long() + t0)[:, None] + torch.arange(T, device=q.device)  # (B, T) true positions
         r_new = n_old[:, None] + torch.arange(T, device=q.device)  # (B, T) ranks inside the cache
-        if self.positions == "reassign":  # rotate q and k from their true positions to their ranks
+        if self.positions == "reassign":  # rotate q (and a rotated k) from their true positions to their ranks
             delta = (r_new - p_new)[:, None]  # (B, 1, T)
-            q, k = _rotate(q, delta, self.inv_freq), _rotate(k, delta, self.inv_freq)
+            q = _rotate(q, delta, self.inv_freq)
+            if not self.keys_before_rope:  # an unrotated k is rotated to its slot's rot when attended
+                k = _rotate(k, delta, self.inv_freq)
 
         # append: the first T free slots of each (sequence, K/V head) take the new rows
         free = pos < 0  # (B, H_KV, N_slots)
@@ -395,14 +436,15 @@ class BudgetCache(KVCache):
         N = int(n_new.max())
 
         # attend over every held entry (index order) and the new ones, causal among the new
-        if T == 1 and self.kernels == "triton":  # the probabilities' second pass only for H2O and SnapKV
+        # the index kernel does not rotate yet: rope='before' decodes through PyTorch
+        if T == 1 and self.kernels == "triton" and not self.keys_before_rope:  # probabilities: H2O and SnapKV
             res = index_decode_attention(q[:, :, 0], kb, vb, index, n_new, return_probs=self.needs_probs)
             out, probs = res if self.needs_probs else (res, None)
             out = out[:, :, None]  # (B, H, 1, D)
             probs = None if probs is None else probs[:, :, None, :N]  # (B, H, 1, N)
         else:
             rows = index[:, :, :N]  # (B, H_KV, N)
-            k_all = kb.gather(2, rows[..., None].expand(B, H_KV, N, D)).repeat_interleave(n_rep, 1)  # (B, H, N, D)
+            k_all = self._gather_keys(layer_idx, N).repeat_interleave(n_rep, 1)  # (B, H, N, D) fp32
             v_all = vb.gather(2, rows[..., None].expand(B, H_KV, N, D)).repeat_interleave(n_rep, 1)
             scores = (q.float() @ k_all.float().transpose(-1, -2)) / math.sqrt(D)  # (B, H, T, N)
             visible = torch.arange(N, device=q.device)[None, None] <= r_new[:, :, None]  # (B, T, N)
@@ -439,6 +481,9 @@ class BudgetCache(KVCache):
         B, H_KV, _, D = kb.shape
         rows = index[:, :, :N]  # (B, H_KV, N)
         target = torch.arange(N, device=kb.device).expand(B, H_KV, N)
+        if self.keys_before_rope:  # stored keys are unrotated: only their RoPE position changes
+            rot.scatter_(2, rows, target)
+            return
         delta = target - rot.gather(2, rows)  # (B, H_KV, N): 0 for entries that did not move
         keys = kb.gather(2, rows[..., None].expand(B, H_KV, N, D))
         kb.scatter_(2, rows[..., None].expand(B, H_KV, N, D), _rotate(keys, delta, self.inv_freq))
