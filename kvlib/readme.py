@@ -108,15 +108,16 @@ ROWS = [
         "sinks + window / H2O / SnapKV", "09_keeping_less.ipynb",
         r"\*\*Passkey at 50%\*\*: sliding window (?P<w>\d+%), sinks \+ window (?P<s>\d+%), H2O (?P<h>\d+%), "
         r"SnapKV (?P<k>\d+%)", "{w} / {s} / {h} / {k}"),
-    Row("the same model, KV memory vs fp16 and perplexity: INT8 / KIVI 2-bit (scales, zero points and the "
-        "full-precision tail counted)", "09_keeping_less.ipynb",
-        r"- INT8 \(chapter 06\): (?P<m8>[\d.]+%) of the fp16 cache, perplexity (?P<p8>[\d.]+).*?"
-        r"- KIVI 2-bit: (?P<m2>[\d.]+%) of the fp16 cache, perplexity (?P<p2>[\d.]+)", "{m8}, {p8} / {m2}, {p2}"),
+    Row("the same model, KV memory vs fp16 (time-averaged held bytes: scales, zero points and the exact window "
+        "counted) and perplexity: INT8 / KIVI 2-bit, R = 32", "09_keeping_less.ipynb",
+        r"- INT8 \(chapter 06\): (?P<m8>[\d.]+%) of the fp16 cache \(time-averaged\), perplexity (?P<p8>[\d.]+).*?"
+        r"- KIVI 2-bit, R=32: (?P<m2>[\d.]+%) of the fp16 cache \(time-averaged\), perplexity (?P<p2>[\d.]+)",
+        "{m8}, {p8} / {m2}, {p2}"),
     Row("the same model, mixed precision by layer at 6 bits on average (half INT8, half INT4): perplexity with "
         "INT8 on the most vs the least sensitive layers", "09_keeping_less.ipynb",
         r"\*\*6 bits on average\*\* .*?perplexity (?P<a>[\d.]+) with the wide format on the most sensitive layers, "
         r"(?P<b>[\d.]+) on the least", "{a} vs {b}"),
-    Row("tiny model, cross-layer K/V sharing (CLA-2, half the cache) after a 150-step fine-tune vs the MHA model "
+    Row("tiny model, cross-layer K/V sharing (CLA-2, half the cache) after a 100-step fine-tune vs the MHA model "
         "fine-tuned the same way (nats/byte)", "09_keeping_less.ipynb",
         r"shared \+ fine-tune\s+(?P<s>[\d.]+)\s+control \(no sharing\) \+ fine-tune\s+(?P<c>[\d.]+)", "{s} vs {c}"),
     Row("DeepSeek-V2 bytes per token (bf16): MLA vs MHA of the same heads", "09_keeping_less.ipynb",

@@ -226,10 +226,11 @@ EXACT = {
         (r"m_i = -1\.0e30", "a literal in the printed kernel source"),
         (r"l_i = 0\.0", "a literal in the printed kernel source"),
         (r"float\(\"-inf\"\)", "a literal in the printed kernel source"),
-        # cell 32 (e67a083f): MLA configs from config.json, integer byte counts
+        # cell 34 (e67a083f): MLA configs from config.json, integer byte counts
         (r"<td>(1\.4|11\.2)%</td>", "MLA / MHA: ratio of two integer byte counts"),
         (r"(?m)^\d+\s+(1\.4|11\.2)%\s*$", "MLA / MHA column: ratio of two integer byte counts"),
-        (r"\(\d+\.\d% of MHA\)", "MLA / MHA: ratio of two integer byte counts"),
+        (r"\(\d+\.\d% of MHA, counting", "MLA / MHA: ratio of two integer byte counts"),
+        (r"d_h = 128, gives \d+\.\d\d%\)", "MLA / MHA in the paper's convention: ratio of two integer byte counts"),
         (r"\*\*\d\.\d\d\*\* groups of 128-dim heads, the paper's 2\.25",
          "mla_gqa_groups: (kv_lora_rank + qk_rope_head_dim) / (2 x 128) of config integers; the paper's figure"),
         (r"The paper's 93\.3% KV-cache reduction", "a figure quoted from the DeepSeek-V2 paper"),
