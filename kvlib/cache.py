@@ -562,6 +562,7 @@ class KVCache:
         triton_kernels = self.kernels == "triton"
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
         (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
+        self._stored(layer_idx, start, T)
         if T == 1:  # decode: one new token per sequence, ragged lengths
             decode = decode_attention if triton_kernels else decode_attention_ref
             out = decode(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
@@ -570,6 +571,10 @@ class KVCache:
             out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
         self._advance(layer_idx, T)
         return out
+
+    def _stored(self, layer_idx, start, T):
+        """Hook between storing T new rows per sequence (at positions start[b]..) and attending: a subclass
+        may rewrite what was stored (LayerQuantCache quantizes the key groups the call completed)."""
 
 
 # How kvlib.compile_check builds these kernels: the wrappers' own launches at a realistic shape (32 query

@@ -25,8 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .attention import attention_ref, flash_attention
-from .cache import KVCache, check_int, decode_attention, decode_attention_ref, store_kv, store_kv_ref
+from .cache import KVCache, check_int
 from .quant import _dims
 
 __all__ = ["quantize_asym", "dequantize_asym", "pack_bits", "unpack_bits", "pack_2bit", "unpack_2bit",
@@ -312,26 +311,15 @@ class LayerQuantCache(KVCache):
     def attend(self, layer_idx, q, k, v):
         self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
         bits = self.bits[layer_idx]
-        if bits == 16:
-            return super().attend(layer_idx, q, k, v)
-        v = _round_trip(v, bits)
-        if self.keys == "per_token":
-            return super().attend(layer_idx, q, _round_trip(k, bits), v)
-        # KVCache.attend with one step between the store and the attention: complete groups get quantized
-        T, start = q.shape[2], self.seq_lens
-        L = self._make_room(T)
-        triton_kernels = self.kernels == "triton"
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
-        self._quantize_completed_groups(layer_idx, start, T)
-        if T == 1:
-            decode = decode_attention if triton_kernels else decode_attention_ref
-            out = decode(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
-        else:
-            prefill = flash_attention if triton_kernels else attention_ref
-            out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
-        self._advance(layer_idx, T)
-        return out
+        if bits < 16:
+            v = _round_trip(v, bits)
+            if self.keys == "per_token":
+                k = _round_trip(k, bits)
+        return super().attend(layer_idx, q, k, v)  # per-channel keys: _stored quantizes the completed groups
+
+    def _stored(self, layer_idx, start, T):
+        if self.bits[layer_idx] < 16 and self.keys == "per_channel":
+            self._quantize_completed_groups(layer_idx, start, T)
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
