@@ -52,9 +52,10 @@ from .cache import KVCache, check_attend_args, check_int
 from .model import rope_cos_sin, rotate
 from .paged import PagedKVCache, _PagedBatch
 
-__all__ = ["keep_highest", "sink_window_priority", "h2o_accumulate", "index_decode_attention",
-           "index_decode_attention_ref", "BudgetCache", "SlidingWindowCache", "SinkCache", "H2OCache",
-           "SnapKVCache", "PagedWindowCache"]
+__all__ = ["keep_highest", "sink_window_priority", "h2o_accumulate", "pool_votes", "snapkv_select", "pyramid_budgets",
+           "index_decode_attention", "index_decode_attention_ref", "BudgetCache", "SlidingWindowCache", "SinkCache",
+           "H2OCache", "SnapKVCache", "PyramidKVCache", "KnormCache", "TOVACache", "ExpectedAttentionCache",
+           "PagedWindowCache"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,10 +90,10 @@ def keep_highest(priority: torch.Tensor, n_held: torch.Tensor, budget: int) -> t
     B, H_KV, N = priority.shape
     valid = torch.arange(N, device=priority.device)[None] < n_held[:, None]  # (B, N)
     pri = priority.float().masked_fill(~valid[:, None], float("-inf"))
-    # ties (e.g. two +inf sinks) are broken toward the later entry by a tiny rank term: deterministic
-    rank = torch.arange(N, device=priority.device, dtype=torch.float32) * 1e-6
-    top = (pri + torch.where(torch.isfinite(pri), rank, torch.zeros_like(rank))).topk(min(budget, N), dim=-1).indices
-    return top.sort(dim=-1).values
+    # equal priorities (two +inf sinks, a max-pool's plateau) go to the later entry: a stable sort of the
+    # entries in reverse order, so the comparison itself is exact (no tie-breaking term added to the scores)
+    order = torch.sort(pri.flip(-1), dim=-1, descending=True, stable=True).indices[..., :min(budget, N)]
+    return (N - 1 - order).sort(dim=-1).values
 
 
 def h2o_accumulate(scores: torch.Tensor, probs: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -308,11 +309,17 @@ class BudgetCache(KVCache):
     """
 
     needs_probs = False  # H2O and SnapKV read each step's attention probabilities
-    shared_attrs = ("inv_freq",)
+    needs_queries = False  # TOVA and ExpectedAttention read each step's queries (observe_queries)
+    shared_attrs = ("inv_freq", "budgets")
 
     def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, dtype=torch.float32, device="cpu",
-                 kernels=None, *, chunk=32, positions="kept", rope="after", inv_freq=None):
+                 kernels=None, *, chunk=32, positions="kept", rope="after", inv_freq=None, layer_budgets=None):
         budget, chunk = check_int("budget", budget), check_int("chunk", chunk)
+        if layer_budgets is None:
+            layer_budgets = [budget] * check_int("n_layers", n_layers)
+        elif len(layer_budgets) != n_layers:
+            raise ValueError(f"layer_budgets must give one budget per layer ({n_layers}), got {len(layer_budgets)}")
+        layer_budgets = [check_int("layer_budgets[i]", b) for b in layer_budgets]
         if positions not in ("kept", "reassign"):
             raise ValueError(f"positions must be 'kept' or 'reassign', got {positions!r}")
         if rope not in ("before", "after"):
@@ -321,15 +328,19 @@ class BudgetCache(KVCache):
             raise ValueError("positions='reassign' re-rotates keys: pass inv_freq (for_model does)")
         if rope == "before" and inv_freq is None:
             raise ValueError("rope='before' rotates the stored keys when it attends: pass inv_freq (for_model does)")
-        super().__init__(n_layers, batch, n_kv_heads, budget + chunk, head_dim, dtype, device, kernels)
+        super().__init__(n_layers, batch, n_kv_heads, max(layer_budgets) + chunk, head_dim, dtype, device, kernels)
         self.budget, self.chunk, self.positions, self.rope = budget, chunk, positions, rope
+        self.budgets = layer_budgets  # per layer (PyramidKV's differ); shared by sequence(b)
         self.keys_before_rope = rope == "before"  # the model's seam then hands us k before RoPE
         self.inv_freq = inv_freq  # RoPE frequencies (D / 2,) or None; shared by sequence(b) (shared_attrs)
-        shape = (batch, n_kv_heads, budget + chunk)  # (B, H_KV, N_slots)
-        self.index = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]
-        self.pos = [torch.full(shape, -1, dtype=torch.int64, device=device) for _ in range(n_layers)]  # -1: free
-        self.rot = [torch.zeros(shape, dtype=torch.int64, device=device) for _ in range(n_layers)]  # RoPE position
-        self.score = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
+        slots = [(batch, n_kv_heads, b + chunk) for b in layer_budgets]  # (B, H_KV, N_slots) per layer
+        if len(set(layer_budgets)) > 1:  # each layer's buffers hold its own budget + one chunk
+            self.k = [torch.zeros(*s, head_dim, dtype=dtype, device=device) for s in slots]
+            self.v = [torch.zeros(*s, head_dim, dtype=dtype, device=device) for s in slots]
+        self.index = [torch.zeros(s, dtype=torch.int64, device=device) for s in slots]
+        self.pos = [torch.full(s, -1, dtype=torch.int64, device=device) for s in slots]  # -1: free
+        self.rot = [torch.zeros(s, dtype=torch.int64, device=device) for s in slots]  # RoPE position
+        self.score = [torch.zeros(s, dtype=torch.float32, device=device) for s in slots]
         self.n_held = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(n_layers)]
         self.evicted = torch.zeros(batch, dtype=torch.int64, device=device)  # positions dropped so far (layer 0)
 
@@ -339,13 +350,14 @@ class BudgetCache(KVCache):
         return cls(c.n_layers, batch, c.n_kv_heads, budget, c.head_dim, model.dtype, model.device, kernels,
                    inv_freq=model.inv_freq.float(), **options)
 
-    def held(self, b: int) -> int:
-        """Positions stored for sequence b (the same in every layer and K/V head)."""
-        return int(self.n_held[0][check_int("b", b, minimum=0)])
+    def held(self, b: int, layer: int = 0) -> int:
+        """Positions stored for sequence b in ``layer`` (the same in every K/V head; in every layer too,
+        unless the layers have their own budgets)."""
+        return int(self.n_held[check_int("layer", layer, minimum=0)][check_int("b", b, minimum=0)])
 
     def held_positions(self, b: int, layer: int = 0) -> torch.Tensor:
         """(H_KV, held) original positions stored for sequence b in ``layer``, per K/V head, ascending."""
-        n = self.held(b)
+        n = self.held(b, layer)
         return self.pos[layer][b].gather(1, self.index[layer][b, :, :n])
 
     def nbytes(self) -> int:
@@ -386,6 +398,10 @@ class BudgetCache(KVCache):
 
     def observe(self, layer_idx: int, probs: torch.Tensor, N: int):
         """Called with each step's probabilities (B, H, T, N) over the first N held entries (needs_probs)."""
+
+    def observe_queries(self, layer_idx: int, q: torch.Tensor, rope_pos: torch.Tensor, true_pos: torch.Tensor, N: int):
+        """Called after each step's attention (needs_queries) with its queries q (B, H, T, D) as attended
+        (rotated to ``rope_pos`` (B, T)), their true positions (B, T) and the first N held entries."""
 
     # ---- one layer's call -------------------------------------------------------------------------
 
@@ -452,10 +468,13 @@ class BudgetCache(KVCache):
             out = (probs @ v_all.float()).to(q.dtype)  # (B, H, T, D)
         if self.needs_probs:
             self.observe(layer_idx, probs, N)
+        if self.needs_queries:
+            self.observe_queries(layer_idx, q, r_new if self.positions == "reassign" else p_new, p_new, N)
 
         # evict: keep the budget highest priorities; free the other slots
-        if N > self.budget:
-            keep = keep_highest(self.priority(layer_idx, N), n_new, self.budget)  # (B, H_KV, budget)
+        budget = self.budgets[layer_idx]
+        if N > budget:
+            keep = keep_highest(self.priority(layer_idx, N), n_new, budget)  # (B, H_KV, budget)
             rows = index[:, :, :N]
             kept = torch.zeros_like(rows, dtype=torch.bool).scatter_(2, keep, True)
             held = torch.arange(N, device=q.device)[None, None] < n_new[:, None, None]
@@ -465,7 +484,7 @@ class BudgetCache(KVCache):
             self.score[layer_idx].masked_fill_(drop_mask, 0.0)
             self.on_drop(layer_idx, drop_mask)
             index[:, :, : keep.shape[2]] = rows.gather(2, keep)
-            n_kept = n_new.clamp(max=self.budget)
+            n_kept = n_new.clamp(max=budget)
             self.n_held[layer_idx].copy_(n_kept)
             if layer_idx == 0:
                 self.evicted += n_new - n_kept
@@ -573,14 +592,39 @@ class H2OCache(BudgetCache):
         return score.masked_fill(_recent(N, self.n_held[layer_idx], self.recent), float("inf"))
 
 
+def pool_votes(votes: torch.Tensor, window: torch.Tensor, kernel: int, pooling: str = "max") -> torch.Tensor:
+    """SnapKV's smoothing: pool the votes of the positions before the observation window, keep the window.
+
+    votes (B, H_KV, N) in position order; window (B, 1 or H_KV, N) True for the observation window's
+    entries (and for entries past a sequence's end, which hold no votes). As in SnapKV's reference code
+    (github.com/FasterDecoding/SnapKV, ``snapkv_utils.py``), only the positions before the window are
+    pooled (the window's own votes are cut off before pooling, so they do not leak into their
+    neighbours), with a centred max- or average-pool of width ``kernel`` and zero padding; the window
+    gets +inf (always kept).
+
+    >>> pool_votes(torch.tensor([[[0., 1., 0., 0., 5., 9.]]]), torch.tensor([[[0, 0, 0, 0, 1, 1]]]).bool(), 3)
+    tensor([[[1., 1., 1., 0., inf, inf]]])
+    """
+    if pooling not in ("max", "avg"):
+        raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
+    B, H_KV, N = votes.shape
+    flat = votes.masked_fill(window, 0.0).reshape(B * H_KV, 1, N)
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    pooled = pool(flat, kernel, stride=1, padding=kernel // 2).view(B, H_KV, N)
+    return pooled.masked_fill(window, float("inf"))
+
+
 class SnapKVCache(BudgetCache):
     """SnapKV: the last ``window`` queries vote; keep the window + the positions with the most votes.
 
     Votes are the observation window's attention probabilities summed over its queries and the K/V
-    head's query heads, smoothed by a max-pool of width ``kernel`` over neighbouring positions (so a
-    selected token keeps its neighbours). The default ``chunk=4096`` makes a prompt attend fully and
-    be compressed once after its prefill, as in the paper; during decoding the same rule evicts one
-    position per step with the latest ``window`` queries as voters.
+    head's query heads (kvpress's averaging for grouped heads, the same ranking), smoothed by a
+    max-pool of width ``kernel`` over the positions before the window (``pool_votes``; the defaults
+    window 32, kernel 7, max-pool are the configuration of SnapKV's LongBench runs, ``pooling="avg"``
+    and kernel 5 the reference code's defaults). The default ``chunk=4096`` makes a prompt attend fully
+    and be compressed once after its prefill, as in the paper; the paper then keeps every generated
+    token, while this cache goes on evicting during decoding, one position per step, with the latest
+    ``window`` queries as voters.
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
@@ -593,18 +637,20 @@ class SnapKVCache(BudgetCache):
 
     needs_probs = True
 
-    def __init__(self, *args, window: int = 32, kernel: int = 7, **kw):
+    def __init__(self, *args, window: int = 32, kernel: int = 7, pooling: str = "max", **kw):
         kw.setdefault("chunk", 4096)
         super().__init__(*args, **kw)
         self.window, self.kernel = check_int("window", window), check_int("kernel", kernel)
-        if self.window >= self.budget:
-            raise ValueError(f"window must be below the budget ({self.budget}), got {window}")
+        if self.window >= min(self.budgets):
+            raise ValueError(f"window must be below the budget ({min(self.budgets)}), got {window}")
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd (a centred pooling window), got {kernel}")
-        B, H_KV, n_slots = self.index[0].shape
+        if pooling not in ("max", "avg"):
+            raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
+        self.pooling = pooling
         # the latest `window` queries' attention per physical slot: (B, H_KV, window, N_slots) per layer
-        self.obs = [torch.zeros(B, H_KV, self.window, n_slots, device=self.seq_lens.device)
-                    for _ in range(len(self.k))]
+        self.obs = [torch.zeros(*index.shape[:2], self.window, index.shape[2], device=self.seq_lens.device)
+                    for index in self.index]
 
     def reset(self, batch=None, length=None):
         super().reset(batch, length)
@@ -627,11 +673,282 @@ class SnapKVCache(BudgetCache):
 
     def priority(self, layer_idx, N):
         rows = self.index[layer_idx][:, :, :N]
-        B, H_KV, _ = rows.shape
         votes = self.obs[layer_idx].sum(2).gather(2, rows)  # (B, H_KV, N) in position order
-        pooled = F.max_pool1d(votes.view(B * H_KV, 1, N), self.kernel, stride=1,
-                              padding=self.kernel // 2).view(B, H_KV, N)
-        return pooled.masked_fill(_recent(N, self.n_held[layer_idx], self.window), float("inf"))
+        n = self.n_held[layer_idx][:, None, None]
+        j = torch.arange(N, device=rows.device)[None, None]
+        return pool_votes(votes, (j >= n - self.window) | (j >= n), self.kernel, self.pooling)
+
+
+def snapkv_select(q: torch.Tensor, k: torch.Tensor, budget: int, window: int, kernel: int = 7,
+                  pooling: str = "max") -> torch.Tensor:
+    """SnapKV's choice over one prompt, from its queries and keys alone: (B, H_KV, budget) positions to keep,
+    ascending. q (B, H, T, D) and k (B, H_KV, T, D), both as attention reads them (rotated).
+
+    The last ``window`` queries' attention over the prompt is recomputed here (causal, softmax in fp32), as
+    SnapKV's and kvpress's code do beside a fused attention kernel; its votes over the positions before the
+    window are summed over the window's queries and the K/V head's query heads, pooled (``pool_votes``),
+    and the ``budget - window`` best join the window. Used by ``kvlib.kivi.SnapKiviCache``.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k = torch.randn(1, 2, 10, 4, generator=g), torch.randn(1, 1, 10, 4, generator=g)
+    >>> snapkv_select(q, k, budget=5, window=2, kernel=3).tolist()[0][0][-2:]  # the window is always kept
+    [8, 9]
+    """
+    B, H, T, D = q.shape
+    H_KV = k.shape[1]
+    budget, window = check_int("budget", budget), check_int("window", window)
+    if not window < budget <= T:
+        raise ValueError(f"need window < budget <= the prompt's length, got window={window}, budget={budget}, T={T}")
+    w = q[:, :, -window:].float().view(B, H_KV, H // H_KV, window, D)
+    logits = w @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (B, H_KV, n_rep, window, T)
+    causal = torch.arange(T, device=q.device) <= torch.arange(T - window, T, device=q.device)[:, None]
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    votes = probs.sum(dim=(2, 3))  # (B, H_KV, T)
+    in_window = (torch.arange(T, device=q.device) >= T - window)[None, None]
+    pooled = pool_votes(votes, in_window.expand(B, 1, T), kernel, pooling)
+    return keep_highest(pooled, torch.full((B,), T, device=q.device), budget)  # ties as the budgeted caches break them
+
+
+def pyramid_budgets(budget: int, n_layers: int, window: int, beta: float = 20) -> list[int]:
+    """PyramidKV's budget per layer (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on
+    Pyramidal Information Funneling", arXiv:2406.02069): beyond the ``window`` every layer keeps, the
+    selected positions fall linearly from the first layer to the last, the last keeping 1 / ``beta`` of
+    the mean, the first the rest up to twice the mean, so that the layers hold ``budget`` on average (the
+    formula of the reference code, github.com/Zefan-Cai/KVCache-Factory, ``pyramidkv_utils.py``; rounded
+    here so that the total is exact when the budget allows it).
+
+    >>> b = pyramid_budgets(100, 4, window=20)
+    >>> b, sum(b) / len(b)
+    ([176, 125, 75, 24], 100.0)
+    """
+    budget, n_layers, window = check_int("budget", budget), check_int("n_layers", n_layers), check_int("window", window, 0)
+    if window >= budget:
+        raise ValueError(f"window must be below the budget ({budget}), got {window}")
+    if beta < 1:
+        raise ValueError(f"beta must be >= 1, got {beta}")
+    base = budget - window  # selected positions per layer, on average
+    low = base / beta
+    high = 2 * base - low
+    step = (high - low) / max(1, n_layers - 1)
+    raw = [high - layer * step for layer in range(n_layers)] if n_layers > 1 else [float(base)]
+    out = [max(1, math.floor(x)) for x in raw]
+    for layer in sorted(range(n_layers), key=lambda i: out[i] - raw[i])[:max(0, base * n_layers - sum(out))]:
+        out[layer] += 1  # largest remainders first: the total is base * n_layers
+    return [window + x for x in out]
+
+
+class PyramidKVCache(SnapKVCache):
+    """PyramidKV: SnapKV's vote with a budget per layer, large in the first layers and small in the last.
+
+    PyramidKV's observation is that attention is spread widely in the lower layers and concentrated on
+    a few positions in the upper ones ("pyramidal information funneling"), so the same total budget is
+    better spent unevenly. ``budget`` is the mean over layers; ``pyramid_budgets`` gives each layer its
+    own (``beta`` sets the slope: the last layer selects budget / beta positions beyond the window).
+    Each layer's buffers hold its budget + one chunk, so the total is what a uniform budget costs.
+    ``held(b, layer)`` differs by layer. The reference code compresses the prompt only, with
+    SnapKV's rule; like ``SnapKVCache`` this cache also evicts while decoding.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=4, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = PyramidKVCache.for_model(model, batch=1, budget=6, window=2, chunk=16)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.arange(12)[None], cache=cache)
+    >>> [cache.held(0, layer) for layer in range(4)], cache.budgets
+    ([10, 7, 4, 3], [10, 7, 4, 3])
+    """
+
+    def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, *args, window: int = 32, beta: float = 20,
+                 **kw):
+        if "layer_budgets" in kw:
+            raise TypeError("PyramidKVCache computes its layer budgets: pass budget (the mean) and beta")
+        layer_budgets = pyramid_budgets(budget, n_layers, window, beta)
+        super().__init__(n_layers, batch, n_kv_heads, budget, head_dim, *args, window=window,
+                         layer_budgets=layer_budgets, **kw)
+        self.beta = beta
+
+
+# ---- rules that need no attention probabilities ---------------------------------------------------
+# A fused attention kernel (FlashAttention, FlashInfer, index_decode_attention without return_probs)
+# never writes the probabilities to memory: H2O's and SnapKV's scores need them (or a second pass that
+# recomputes them). These rules score from what is at hand: the keys, one query row, or query statistics.
+
+
+class _RecentRule(BudgetCache):
+    """A rule that protects only the ``recent`` latest positions (at least the newest: a streaming cache
+    must keep the token it just wrote) and ranks the rest by ``score`` (B, H_KV, N), highest kept."""
+
+    def __init__(self, *args, recent: int = 1, **kw):
+        super().__init__(*args, **kw)
+        self.recent = check_int("recent", recent)
+        if self.recent >= min(self.budgets):
+            raise ValueError(f"recent must be below the budget ({min(self.budgets)}), got {recent}")
+
+    def score_held(self, layer_idx: int, N: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def priority(self, layer_idx, N):
+        return self.score_held(layer_idx, N).masked_fill(_recent(N, self.n_held[layer_idx], self.recent), float("inf"))
+
+
+class KnormCache(_RecentRule):
+    """Keep the keys with the smallest L2 norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based
+    Strategy for KV Cache Compression", arXiv:2406.11430; kvpress's KnormPress: score = -||k||).
+
+    The paper finds that keys with a low norm receive high attention (the sinks among them), so the
+    norm stands in for attention without computing any. The norm is taken of the key as stored (RoPE
+    does not change it). kvpress compresses once after the prompt; this cache evicts as it streams, so
+    the ``recent`` newest positions (default 1, the token just written) are always kept.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = KnormCache.for_model(model, batch=1, budget=4, chunk=1)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> k = cache.rotated_keys(0)[0, 0, :3]  # the three kept besides the newest: the smallest norms seen
+    >>> cache.held(0), bool(k.norm(dim=-1).max() <= cache.k[0][0, 0].float().norm(dim=-1).max())
+    (4, True)
+    """
+
+    def score_held(self, layer_idx, N):
+        kb, rows = self.k[layer_idx], self.index[layer_idx][:, :, :N]
+        B, H_KV, _, D = kb.shape
+        return -kb.gather(2, rows[..., None].expand(B, H_KV, N, D)).float().norm(dim=-1)
+
+
+class TOVACache(_RecentRule):
+    """TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs", arXiv:2401.06104): after each step,
+    keep the positions the step's *last* query attends to most, averaged over the layer's query heads
+    (one choice per layer, shared by its K/V heads, as in the paper and kvpress's TOVAPress).
+
+    That one attention row is computed here from the query and the held keys (q . k / sqrt(D), softmax):
+    one decode step's worth of work, so the attention itself can stay a fused kernel that returns no
+    probabilities (kvpress recomputes it the same way). The row's scores are the ``score`` per slot;
+    ``recent`` (default 1) protects the newest.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = TOVACache.for_model(model, batch=1, budget=4, chunk=1)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    >>> cache.held(0), bool((cache.held_positions(0)[0] == cache.held_positions(0)[1]).all())  # shared by heads
+    (4, True)
+    """
+
+    needs_queries = True
+
+    def observe_queries(self, layer_idx, q, rope_pos, true_pos, N):
+        B, H, _, D = q.shape
+        H_KV = self.index[layer_idx].shape[1]
+        keys = self._gather_keys(layer_idx, N)  # (B, H_KV, N, D) fp32, as attention reads them
+        last = q[:, :, -1].float().view(B, H_KV, H // H_KV, 1, D)
+        logits = (last @ keys[:, :, None].transpose(-1, -2)).squeeze(-2) / math.sqrt(D)  # (B, H_KV, n_rep, N)
+        held = torch.arange(N, device=q.device)[None, None, None] < self.n_held[layer_idx][:, None, None, None]
+        row = torch.softmax(logits.masked_fill(~held, float("-inf")), dim=-1).mean(dim=(1, 2))  # (B, N)
+        self.score[layer_idx].scatter_(2, self.index[layer_idx][:, :, :N], row[:, None].expand(B, H_KV, N).contiguous())
+
+    def score_held(self, layer_idx, N):
+        return self.score[layer_idx].gather(2, self.index[layer_idx][:, :, :N])
+
+
+class ExpectedAttentionCache(_RecentRule):
+    """Expected attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating
+    Attention from Future Queries Distribution", arXiv:2510.00636; kvpress's ExpectedAttentionPress):
+    score each key by the attention that *future* queries are expected to give it.
+
+    Queries before RoPE are modelled as a Gaussian (mean mu, covariance Sigma, per query head, from the
+    queries seen, without the first ``n_sink`` positions); RoPE's rotation is averaged over the next
+    ``n_future`` positions (R̄); then E[exp(q . k / sqrt(d))] = exp(mū . k / sqrt(d) + k^T Σ̄ k / (2d)) with
+    mū = R̄ mu, Σ̄ = R̄ Sigma R̄^T. Those exponents are softmaxed over the held keys, averaged over the K/V
+    head's query heads and multiplied by ||v|| (how much a position can change the output). The first
+    ``n_sink`` positions are left out of the softmax and always kept (+inf), as are the ``recent`` newest
+    (default 1).
+
+    kvpress takes the statistics of the queries of the call it compresses (the prompt); a streaming
+    cache keeps running sums of every query it has seen instead (``q_stat_sum``, ``q_stat_outer``,
+    ``q_stat_n``: per layer (B, H, D), (B, H, D, D), (B,), counted as scores by ``kvlib.footprint``).
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = ExpectedAttentionCache.for_model(model, batch=1, budget=6, n_sink=2, chunk=2)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.arange(12)[None], cache=cache)
+    >>> cache.held_positions(0)[0, :2].tolist(), cache.held_positions(0)[0, -1].item(), int(cache.q_stat_n[0][0])
+    ([0, 1], 11, 10)
+    """
+
+    needs_queries = True
+    shared_attrs = ("n_future",)
+
+    def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, *args, n_sink: int = 4, n_future: int = 512,
+                 use_covariance: bool = True, use_vnorm: bool = True, n_heads: int | None = None, **kw):
+        super().__init__(n_layers, batch, n_kv_heads, budget, head_dim, *args, **kw)
+        if self.inv_freq is None:
+            raise ValueError("ExpectedAttentionCache averages RoPE over future positions: pass inv_freq (for_model does)")
+        self.n_sink, self.n_future = check_int("n_sink", n_sink, minimum=0), check_int("n_future", n_future)
+        if self.n_sink + self.recent >= min(self.budgets):
+            raise ValueError(f"n_sink + recent must be below the budget ({min(self.budgets)}), got {n_sink} + {self.recent}")
+        self.use_covariance, self.use_vnorm = bool(use_covariance), bool(use_vnorm)
+        H = n_kv_heads if n_heads is None else check_int("n_heads", n_heads)
+        dev = self.seq_lens.device
+        self.q_stat_sum = [torch.zeros(batch, H, head_dim, device=dev) for _ in range(n_layers)]
+        self.q_stat_outer = [torch.zeros(batch, H, head_dim, head_dim, device=dev) for _ in range(n_layers)]
+        self.q_stat_n = [torch.zeros(batch, device=dev) for _ in range(n_layers)]
+        self.next_rope = [torch.zeros(batch, dtype=torch.int64, device=dev) for _ in range(n_layers)]
+
+    @classmethod
+    def for_model(cls, model, batch, budget, kernels=None, **options):
+        return super().for_model(model, batch, budget, kernels, n_heads=model.config.n_heads, **options)
+
+    def reset(self, batch=None, length=None):
+        super().reset(batch, length)
+        for t in self.q_stat_sum + self.q_stat_outer + self.q_stat_n + self.next_rope:
+            t.zero_()
+
+    def observe_queries(self, layer_idx, q, rope_pos, true_pos, N):
+        if q.shape[1] != self.q_stat_sum[layer_idx].shape[1]:
+            raise ValueError(f"q has {q.shape[1]} heads, the statistics {self.q_stat_sum[layer_idx].shape[1]}: "
+                             "build the cache with n_heads (for_model does)")
+        pre = _rotate(q.float(), -rope_pos[:, None], self.inv_freq.float())  # (B, H, T, D) before RoPE
+        w = (true_pos >= self.n_sink).float()[:, None, :, None]  # (B, 1, T, 1): sinks' queries are outliers
+        self.q_stat_sum[layer_idx] += (pre * w).sum(2)
+        self.q_stat_outer[layer_idx] += torch.einsum("bhti,bhtj->bhij", pre * w, pre)
+        self.q_stat_n[layer_idx] += w[:, 0, :, 0].sum(1)
+        self.next_rope[layer_idx].copy_(rope_pos[:, -1] + 1)
+
+    def expected_query(self, layer_idx):
+        """(mū (B, H, D), Σ̄ (B, H, D, D)): the query statistics with RoPE averaged over the next n_future
+        positions (Σ̄ is zero without use_covariance)."""
+        n = self.q_stat_n[layer_idx].clamp(min=1)[:, None, None]
+        mu = self.q_stat_sum[layer_idx] / n
+        cov = self.q_stat_outer[layer_idx] / n[..., None] - mu[..., :, None] * mu[..., None, :]
+        future = self.next_rope[layer_idx][:, None] + torch.arange(self.n_future, device=mu.device)  # (B, F)
+        cos, sin = rope_cos_sin(future, self.inv_freq.float(), torch.float32)  # (B, F, D)
+        cos, sin = cos.mean(1)[:, None], sin.mean(1)[:, None]  # (B, 1, D): R̄ x = rotate(x, cos̄, sin̄)
+        mu_r = rotate(mu, cos, sin)
+        if not self.use_covariance:
+            return mu_r, torch.zeros_like(cov)
+        half = rotate(cov, cos[:, :, None], sin[:, :, None])  # rows rotated: Σ R̄^T
+        return mu_r, rotate(half.transpose(-1, -2), cos[:, :, None], sin[:, :, None]).transpose(-1, -2)  # R̄ Σ R̄^T
+
+    def score_held(self, layer_idx, N):
+        keys = self._gather_keys(layer_idx, N)  # (B, H_KV, N, D) fp32 as attention reads them
+        B, H_KV, _, D = keys.shape
+        mu, cov = self.expected_query(layer_idx)  # (B, H, D), (B, H, D, D)
+        n_rep = mu.shape[1] // H_KV
+        k = keys.repeat_interleave(n_rep, 1)  # (B, H, N, D)
+        logits = (k @ mu[..., None]).squeeze(-1) / math.sqrt(D)
+        if self.use_covariance:
+            logits = logits + ((k @ cov) * k).sum(-1) / (2 * D)
+        rows = self.index[layer_idx][:, :, :N]
+        held = torch.arange(N, device=keys.device)[None, None] < self.n_held[layer_idx][:, None, None]
+        sink = (self.pos[layer_idx].gather(2, rows) < self.n_sink) & held  # (B, H_KV, N)
+        ranked = (held & ~sink).repeat_interleave(n_rep, 1)  # kvpress softmaxes over the keys after the sinks
+        probs = torch.softmax(logits.masked_fill(~ranked, float("-inf")), dim=-1)  # (B, H, N)
+        score = probs.view(B, H_KV, n_rep, N).mean(2)
+        if self.use_vnorm:
+            v = self.v[layer_idx].gather(2, rows[..., None].expand(B, H_KV, N, D)).float()
+            score = score * v.norm(dim=-1)
+        return score.masked_fill(sink, float("inf"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,9 +32,10 @@ from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
 from .cache import KVCache, check_int, decode_attention_ref
+from .evict import snapkv_select
 from .lowbit import _check_bits, dequantize_asym, pack_bits, quantize_asym, quantize_keys_per_channel, unpack_bits
 
-__all__ = ["kivi_decode_attention_ref", "kivi_decode_attention", "KiviCache"]
+__all__ = ["kivi_decode_attention_ref", "kivi_decode_attention", "KiviCache", "SnapKiviCache"]
 
 PREFILL_MODES = ("exact", "quantized")
 FLUSH_RULES = ("group", "residual")
@@ -578,6 +579,77 @@ class KiviCache(KVCache):
         if T == 1 or L > T or self.prefill == "exact":
             self._store(i, k, v)  # then the windows slide: what leaves them is quantized
         self._advance(i, T)
+        return out
+
+
+class SnapKiviCache(KiviCache):
+    """Two compressions composed: SnapKV chooses ``budget`` of the prompt's positions per K/V head, and
+    KIVI stores those and every later token in ``bits`` bits (Li et al. 2024, "SnapKV: LLM Knows What You
+    are Looking for Before Generation", arXiv:2404.14469, then ``KiviCache``).
+
+    The prompt (a call on an empty cache longer than ``budget``) attends exactly over its own K/V, as in
+    both papers; ``kvlib.evict.snapkv_select`` then recomputes the last ``window`` queries' attention and
+    keeps the window + the best-voted positions, and only those enter KIVI's layout (the newest of them in
+    its exact windows). Later tokens are all kept, as SnapKV's paper does after the prefill (unlike
+    ``SnapKVCache``, which goes on evicting), so the cache grows by one low-bit token per step. Keys are
+    stored rotated at their true positions, so dropping positions changes no key; ``next_positions``
+    counts the dropped ones (``dropped``). This is the composition kvpress runs with a quantized cache:
+    a press after the prefill, quantization underneath.
+
+    >>> from kvlib.model import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
+    >>> cache = SnapKiviCache.for_model(model, 1, max_len=16, budget=6, window=2, group=4, residual=4)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.arange(12)[None], cache=cache)  # a 12-token prompt: 6 kept
+    ...     _ = model(torch.tensor([[3]]), positions=cache.next_positions(), cache=cache)
+    >>> cache.held(0), cache.dropped.tolist(), cache.next_positions().tolist(), cache.n_quantized(0)
+    (7, [6], [[13]], (4, 3))
+    """
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, budget, bits=2, group=32, residual=32,
+                 dtype=torch.float32, device="cpu", kernels=None, *, window=32, kernel=7, pooling="max",
+                 v_group=None, flush="group"):
+        super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, bits, group, residual, dtype, device,
+                         kernels, v_group=v_group, prefill="exact", flush=flush)
+        self.budget, self.window, self.kernel = check_int("budget", budget), check_int("window", window), kernel
+        if self.window >= self.budget:
+            raise ValueError(f"window must be below the budget ({self.budget}), got {window}")
+        if kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (a centred pooling window), got {kernel}")
+        if pooling not in ("max", "avg"):
+            raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
+        self.pooling = pooling
+        self.dropped = torch.zeros(batch, dtype=torch.int64, device=device)  # prompt positions SnapKV dropped
+
+    @classmethod
+    def for_model(cls, model, batch, max_len, budget, bits=2, group=32, residual=32, kernels=None, **options):
+        c = model.config
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, budget, bits, group, residual, model.dtype,
+                   model.device, kernels, **options)
+
+    def reset(self, batch=None, length=None):
+        """Empty the cache. ``length`` is not checked here: a compressed prompt needs fewer positions than it
+        has, and a call that would not fit is refused before anything is written."""
+        super().reset(batch, None)
+        self.dropped.zero_()
+
+    def next_positions(self) -> torch.Tensor:
+        return (self.seq_lens.long() + self.dropped)[:, None]
+
+    def attend(self, layer_idx, q, k, v):
+        T = q.shape[2]
+        if T <= self.budget or int(self.seq_lens.max()) > 0 or bool(self.dropped.any()):
+            return super().attend(layer_idx, q, k, v)  # not a prompt to compress: KIVI as it is
+        self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
+        self._make_room(self.budget)  # only the kept positions are stored
+        prefill = flash_attention if self.kernels == "triton" else attention_ref
+        out = prefill(q, k, v, causal=True)  # the prompt attends exactly over its own K/V
+        keep = snapkv_select(q, k, self.budget, self.window, self.kernel, self.pooling)  # (B, H_KV, budget)
+        rows = keep[..., None].expand(*keep.shape, k.shape[3])
+        self._store(layer_idx, k.gather(2, rows), v.gather(2, rows))
+        self._advance(layer_idx, self.budget)
+        if layer_idx == len(self.k) - 1:
+            self.dropped += T - self.budget
         return out
 
 

@@ -5,9 +5,9 @@ import torch
 
 from kvlib import runtime
 from kvlib.cache import KVCache
-from kvlib.evict import (H2OCache, PagedWindowCache, SinkCache, SlidingWindowCache, SnapKVCache, _rotate,
-                         h2o_accumulate, index_decode_attention, index_decode_attention_ref, keep_highest,
-                         sink_window_priority)
+from kvlib.evict import (ExpectedAttentionCache, H2OCache, KnormCache, PagedWindowCache, SinkCache,
+                         SlidingWindowCache, SnapKVCache, TOVACache, _rotate, h2o_accumulate, index_decode_attention,
+                         index_decode_attention_ref, keep_highest, sink_window_priority)
 from kvlib.generate import generate
 from kvlib.model import ModelConfig, Transformer, apply_rope, load_tiny
 from kvlib.paged import PagedKVCache
@@ -17,6 +17,9 @@ METHODS = {
     "sinks": (SinkCache, {"n_sink": 2}),
     "h2o": (H2OCache, {}),
     "snapkv": (SnapKVCache, {"window": 4}),
+    "knorm": (KnormCache, {}),
+    "tova": (TOVACache, {}),
+    "expected attention": (ExpectedAttentionCache, {"n_sink": 2}),
 }
 
 
@@ -131,7 +134,7 @@ def test_budget_covering_the_sequence_gives_the_full_caches_tokens(tiny, method,
     assert cache.held(0) == len(prompts[0]) + 11 and int(cache.evicted.sum()) == 0
 
 
-@pytest.mark.parametrize("method", ["window", "h2o"])
+@pytest.mark.parametrize("method", ["window", "h2o", "tova", "expected attention"])
 def test_triton_decode_path_matches_torch_path(method):
     model = gqa_model()
     cls, opts = METHODS[method]

@@ -10,7 +10,8 @@ from kvlib import runtime
 from kvlib.cache import CacheFullError, KVCache, decode_attention_ref
 from kvlib.footprint import held_bytes
 from kvlib.generate import generate
-from kvlib.kivi import KiviCache, _quantize_values, kivi_decode_attention, kivi_decode_attention_ref
+from kvlib.evict import SnapKVCache
+from kvlib.kivi import KiviCache, SnapKiviCache, _quantize_values, kivi_decode_attention, kivi_decode_attention_ref
 from kvlib.lowbit import pack_bits, quantize_keys_per_channel, unpack_bits
 from kvlib.memory import kv_cache_bytes
 from kvlib.model import load_tiny
@@ -382,3 +383,52 @@ def test_kivi_cache_bad_arguments(model):
     assert all(torch.equal(a, b) for a, b in zip(before, cache.k + cache.v_packed))
     with pytest.raises(TypeError, match="k and v must be torch.float32"):
         cache.attend(0, torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 1, 16).half(), torch.zeros(1, 2, 1, 16).half())
+
+
+# ---- SnapKV + KIVI --------------------------------------------------------------------------------
+
+
+def test_snap_kivi_without_compression_is_kivi():
+    model, tok = load_tiny()
+    prompts = [tok.encode("def add(a, b):\n    return")]
+    kivi = KiviCache.for_model(model, 1, 64, group=8, residual=8)
+    both = SnapKiviCache.for_model(model, 1, 64, budget=40, window=4, group=8, residual=8)  # the prompt fits
+    assert torch.equal(generate(model, prompts, 12, cache=both), generate(model, prompts, 12, cache=kivi))
+    assert int(both.dropped[0]) == 0
+
+
+def test_snap_kivi_keeps_snapkvs_choice_and_attends_as_snapkv_before_it_grows():
+    """With nothing quantized yet (8 bits, a window as long as the cache), the composition keeps the positions
+    SnapKVCache keeps after the same prompt, and the first decode step attends over exactly those."""
+    model, _ = load_tiny()
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    snap = SnapKVCache.for_model(model, 1, 12, window=4, kernel=3, chunk=64)
+    both = SnapKiviCache.for_model(model, 1, 48, budget=12, window=4, kernel=3, bits=8, group=16, residual=32)
+    with torch.no_grad():
+        a, b = model(ids, cache=snap), model(ids, cache=both)
+        assert torch.allclose(a, b, atol=1e-5)  # the prompt attends fully in both
+        nxt = torch.tensor([[5]])
+        assert both.next_positions().tolist() == [[30]] and both.held(0) == 12
+        a = model(nxt, positions=snap.next_positions(), cache=snap)
+        b = model(nxt, positions=both.next_positions(), cache=both)
+    assert torch.allclose(a, b, atol=1e-4)
+    assert both.held(0) == 13 and snap.held(0) == 12  # the composition keeps every new token
+
+
+def test_snap_kivi_quantizes_what_it_kept_and_refuses_what_does_not_fit():
+    model, tok = load_tiny()
+    cache = SnapKiviCache.for_model(model, 1, 24, budget=16, window=4, group=4, residual=4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids, cache=cache)
+    assert cache.held(0) == 16 and cache.n_quantized(0) == (12, 12) and int(cache.dropped[0]) == 24
+    out = generate(model, [ids[0].tolist()], 8, cache=cache)  # 16 kept + 7 decoded fit in 24
+    assert out.shape == (1, 8) and cache.held(0) == 23
+    with pytest.raises(ValueError, match="window must be below"):
+        SnapKiviCache.for_model(model, 1, 24, budget=4, window=4)
+    with pytest.raises(ValueError, match="pooling"):
+        SnapKiviCache.for_model(model, 1, 24, budget=8, window=4, pooling="median")
+    small = SnapKiviCache.for_model(model, 1, 8, budget=12, window=4, group=4, residual=4)
+    with pytest.raises(CacheFullError), torch.no_grad():
+        model(ids, cache=small)
+    assert small.held(0) == 0 and int(small.dropped[0]) == 0
