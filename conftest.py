@@ -28,3 +28,9 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=key)  # stable: everything else keeps its order
+    for item in items:
+        # nbval waits 5 s for a cell's outputs after the kernel says the cell is done; on a loaded 2-core
+        # machine a cell that printed many progress updates can take longer to deliver them (seen once:
+        # notebook 07's fine-tune cell failed "waiting for output" while another job ran)
+        if hasattr(item, "output_timeout"):
+            item.output_timeout = max(item.output_timeout, 60)
