@@ -877,7 +877,6 @@ class ExpectedAttentionCache(_RecentRule):
     """
 
     needs_queries = True
-    shared_attrs = ("n_future",)
 
     def __init__(self, n_layers, batch, n_kv_heads, budget, head_dim, *args, n_sink: int = 4, n_future: int = 512,
                  use_covariance: bool = True, use_vnorm: bool = True, n_heads: int | None = None, **kw):
