@@ -614,6 +614,18 @@ def pool_votes(votes: torch.Tensor, window: torch.Tensor, kernel: int, pooling: 
     return pooled.masked_fill(window, float("inf"))
 
 
+def check_snapkv_options(window, budget, kernel, pooling):
+    """SnapKV's options checked once for every cache that votes like it: (window, kernel, pooling)."""
+    window, kernel = check_int("window", window), check_int("kernel", kernel)
+    if window >= budget:
+        raise ValueError(f"window must be below the budget ({budget}), got {window}")
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (a centred pooling window), got {kernel}")
+    if pooling not in ("max", "avg"):
+        raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
+    return window, kernel, pooling
+
+
 class SnapKVCache(BudgetCache):
     """SnapKV: the last ``window`` queries vote; keep the window + the positions with the most votes.
 
@@ -640,14 +652,7 @@ class SnapKVCache(BudgetCache):
     def __init__(self, *args, window: int = 32, kernel: int = 7, pooling: str = "max", **kw):
         kw.setdefault("chunk", 4096)
         super().__init__(*args, **kw)
-        self.window, self.kernel = check_int("window", window), check_int("kernel", kernel)
-        if self.window >= min(self.budgets):
-            raise ValueError(f"window must be below the budget ({min(self.budgets)}), got {window}")
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd (a centred pooling window), got {kernel}")
-        if pooling not in ("max", "avg"):
-            raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
-        self.pooling = pooling
+        self.window, self.kernel, self.pooling = check_snapkv_options(window, min(self.budgets), kernel, pooling)
         # the latest `window` queries' attention per physical slot: (B, H_KV, window, N_slots) per layer
         self.obs = [torch.zeros(*index.shape[:2], self.window, index.shape[2], device=self.seq_lens.device)
                     for index in self.index]

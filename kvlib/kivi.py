@@ -32,7 +32,7 @@ from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
 from .cache import KVCache, check_int, decode_attention_ref
-from .evict import snapkv_select
+from .evict import check_snapkv_options, snapkv_select
 from .lowbit import _check_bits, dequantize_asym, pack_bits, quantize_asym, quantize_keys_per_channel, unpack_bits
 
 __all__ = ["kivi_decode_attention_ref", "kivi_decode_attention", "KiviCache", "SnapKiviCache"]
@@ -611,14 +611,8 @@ class SnapKiviCache(KiviCache):
                  v_group=None, flush="group"):
         super().__init__(n_layers, batch, n_kv_heads, max_len, head_dim, bits, group, residual, dtype, device,
                          kernels, v_group=v_group, prefill="exact", flush=flush)
-        self.budget, self.window, self.kernel = check_int("budget", budget), check_int("window", window), kernel
-        if self.window >= self.budget:
-            raise ValueError(f"window must be below the budget ({self.budget}), got {window}")
-        if kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd (a centred pooling window), got {kernel}")
-        if pooling not in ("max", "avg"):
-            raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
-        self.pooling = pooling
+        self.budget = check_int("budget", budget)
+        self.window, self.kernel, self.pooling = check_snapkv_options(window, self.budget, kernel, pooling)
         self.dropped = torch.zeros(batch, dtype=torch.int64, device=device)  # prompt positions SnapKV dropped
 
     @classmethod
