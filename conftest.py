@@ -1,6 +1,9 @@
 # Imported by pytest before any test module: kvlib must decide the mode (and set
 # TRITON_INTERPRET=1 on a machine without a GPU) before anything else imports triton —
 # transformers, for one, imports triton when it loads.
+import runpy
+from pathlib import Path
+
 import kvlib  # noqa: F401
 
 import torch  # noqa: E402
@@ -34,3 +37,19 @@ def pytest_collection_modifyitems(session, config, items):
         # notebook 07's fine-tune cell failed "waiting for output" while another job ran)
         if hasattr(item, "output_timeout"):
             item.output_timeout = max(item.output_timeout, 60)
+        if hasattr(item, "compare_outputs"):
+            _skip_progress_bars(item)
+
+
+is_progress = runpy.run_path(str(Path(__file__).parent / "scripts" / "strip_progress.py"))["is_progress"]
+
+
+def _skip_progress_bars(item):
+    # A progress bar is not a result: nbval compares a cell's outputs without its tqdm bars, on both sides
+    # (scripts/strip_progress.py removes them from the committed notebooks; a fresh run still draws them).
+    compare = item.compare_outputs
+
+    def without_bars(test, ref, skip_compare=None):
+        return compare([o for o in test if not is_progress(o)], [o for o in ref if not is_progress(o)], skip_compare)
+
+    item.compare_outputs = without_bars

@@ -134,12 +134,8 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     done = torch.zeros(seq.shape[0], dtype=torch.bool, device=device)
     new_tokens = []
-    steps = range(max_new_tokens)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc="naive decoding", leave=False)
-    for _ in steps:
+    bar = _progress_bar(progress, max_new_tokens, "naive decoding")
+    for _ in range(max_new_tokens):
         logits = model(seq, positions=positions, attention_mask=mask)[:, -1]  # (B, V): only the last row is used
         nxt = sample_next(logits, temperature, top_k, generator)  # (B,)
         if eos_id is not None:
@@ -149,11 +145,36 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
         seq = torch.cat([seq, nxt[:, None]], dim=1)  # (B, T + 1): the whole prefix goes in again next step
         mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], dim=1)
         positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
+        bar.update(1)
         if eos_id is not None and bool(done.all()):
             break
+    bar.finish()
     if not new_tokens:
         return torch.empty(seq.shape[0], 0, dtype=torch.long, device=device)
     return torch.stack(new_tokens, dim=1)
+
+
+class _progress_bar:
+    """A tqdm bar counting generated tokens (or nothing when ``enabled`` is false). ``finish()`` after the
+    loop: a run that stopped early at EOS has finished too, so the bar's total becomes what was done and it
+    ends complete (tqdm marks a bar closed short of its total as failed, red in JupyterLab)."""
+
+    def __init__(self, enabled: bool, total: int, desc: str):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, leave=False)
+
+    def update(self, n: int):
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def finish(self):
+        if self.bar is not None:
+            self.bar.total = self.bar.n
+            self.bar.refresh()
+            self.bar.close()
 
 
 def make_cache(kind, model, batch: int, max_len: int, kernels=None, block_size: int = 16):
@@ -244,21 +265,19 @@ def _generate_cached(model, prompts, max_new_tokens, kv, temperature, top_k, see
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
     new_tokens = []
-    steps = range(max_new_tokens)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps = tqdm(steps, desc=f"cached decoding ({type(kv).__name__})", leave=False)
-    for step in steps:
+    bar = _progress_bar(progress, max_new_tokens, f"cached decoding ({type(kv).__name__})")
+    for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, generator)  # (B,)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             done |= nxt == eos_id
         new_tokens.append(nxt)
+        bar.update(1)
         if step == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
             break
         positions = kv.next_positions()  # (B, 1): each sequence's next position
         logits = model(nxt[:, None], positions=positions, cache=kv.decode_view(nxt.tolist()))[:, -1]  # (B, V)
+    bar.finish()
     if not new_tokens:
         return torch.empty(B, 0, dtype=torch.long, device=device)
     return torch.stack(new_tokens, dim=1)

@@ -265,7 +265,31 @@ def test_targets_prints_the_reference_headline_on_a_cpu(capsys):
     out = capsys.readouterr().out
     assert "target: decode (split-K auto), 32/8 heads" in out and "| 80% (80%–80%) |" in out
     results.targets("decode", [], None, [])
-    assert "No GPU reference results are committed yet" in capsys.readouterr().out
+    assert results.NO_REFERENCE in capsys.readouterr().out
+
+
+def test_report_on_a_cpu_says_what_was_checked_and_draws_only_a_gpu_reference(capsys, tmp_path):
+    if GPU:
+        pytest.skip("on a GPU report() draws this GPU's own rows")
+    import matplotlib.pyplot as plt
+
+    rows = [{"sweep": "decode", "kernel": "decode (split-K auto)", "B": 1, "S": 77, "time_ms": 3.0, "max_abs_err": 1e-6,
+             "status": "ok", "device": "CPU"},
+            {"sweep": "decode", "kernel": "SDPA", "B": 1, "S": 77, "time_ms": 2.0, "status": "ok", "device": "CPU"}]
+    plt.close("all")
+    assert results.report(rows, "decode", root=tmp_path / "none") == 1
+    out = capsys.readouterr().out
+    assert "1 outputs of 1 kernel(s) (decode (split-K auto)) agree" in out and results.NO_REFERENCE in out
+    assert not plt.get_fignums()  # CPU times are not drawn
+    stamp = {"device": "NVIDIA Test GPU", "mode": "gpu", "driver": "1.2", "torch": "2.x", "triton": "3.x",
+             "date": "2026-01-02T00:00:00Z"}
+    results.write_csv([{**stamp, **r} for r in _gpu_rows()], tmp_path / "ref" / "results.csv")
+    results.report(rows, "decode", root=tmp_path)
+    out = capsys.readouterr().out
+    assert results.NO_REFERENCE not in out and "target: decode (split-K auto)" in out
+    with pytest.raises(AssertionError, match="disagree"):
+        results.report(rows + [{**rows[0], "status": "MISMATCH: max |difference| 1 > 0.02"}], "decode", root=tmp_path)
+    plt.close("all")
 
 
 @pytest.mark.skipif(GPU, reason="CPU shapes")

@@ -132,3 +132,30 @@ def test_a_ready_made_cache_object_can_be_passed(model):
 def test_unknown_cache_name(model):
     with pytest.raises(ValueError, match="cache must be"):
         generate(model, [[1]], 2, cache="magic")
+
+
+@pytest.mark.parametrize("cache", [None, "contiguous"])
+def test_a_finished_run_ends_its_progress_bar_complete(model, monkeypatch, cache):
+    # tqdm marks a bar closed before its total as failed (red in JupyterLab): the bar must reach its total,
+    # also when the cached loop skips the last forward and when every sequence stopped early at EOS
+    import tqdm.auto
+
+    from kvlib.generate import generate
+
+    closed = []
+
+    class Recorder(tqdm.auto.tqdm):
+        def close(self):
+            closed.append((self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    prompt = [[5, 6, 7]]
+    run = (lambda **kw: generate_naive(model, prompt, **kw)) if cache is None else (
+        lambda **kw: generate(model, prompt, cache=cache, **kw))
+    out = run(max_new_tokens=6, progress=True)
+    assert out.shape == (1, 6) and closed[-1] == (6, 6)
+    eos = int(out[0, 2])  # the third greedy token: stop there
+    out = run(max_new_tokens=6, progress=True, eos_id=eos)
+    stopped = int((out[0] == eos).nonzero()[0]) + 1
+    assert stopped < 6 and closed[-1] == (stopped, stopped)

@@ -27,7 +27,7 @@ from .. import runtime
 
 __all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "results_dirs", "TARGETS",
            "headline_table", "headline_markdown", "plot_sweep", "PLOTS", "show", "targets", "table",
-           "NO_REFERENCE"]
+           "NO_REFERENCE", "report"]
 
 COLUMNS = [
     "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory, engine, keepless, ragged
@@ -346,8 +346,8 @@ def plot_sweep(rows, sweep: str, path=None, reference_rows=None, reference_label
 # What a notebook does with a sweep: check it, draw it beside the reference, state the targets
 # --------------------------------------------------------------------------------------------
 
-NO_REFERENCE = ("No GPU reference results are committed yet; once `scripts/gpu_check.sh` has been run on a GPU "
-                "and its results committed under docs/results/<gpu>/, they appear here as dashed curves.")
+NO_REFERENCE = ("Measured on a GPU: not yet. The course has no GPU results to show here so far; run this "
+                "notebook on a machine with an NVIDIA GPU and this cell times the Triton kernels at full size.")
 
 
 def show(rows, sweep: str, keep=None):
@@ -419,6 +419,44 @@ def targets(sweep: str, rows, ref_label=None, ref_rows=(), kernels=None):
         _markdown(f"**The reference GPU** (dashed above), {ref_label}:\n\n{headline_markdown(ref_rows)}")
     else:
         print("CPU mode: the targets are about GPU timings. " + NO_REFERENCE)
+
+
+def report(rows, sweep: str, keep=None, kernels=None, root=None):
+    """What a chapter shows of a sweep, by mode.
+
+    GPU mode: ``show`` (the curves), ``table`` (every row) and ``targets`` (met or not on this GPU).
+    CPU mode: the rows are PyTorch paths timed at small sizes and Triton kernels run once in the
+    interpreter for correctness, so their times say nothing about the GPU kernels: one sentence says what
+    was checked, then the committed GPU reference (curves and headline table) if there is one, else
+    ``NO_REFERENCE``. A row whose kernel disagrees with its baseline raises in both modes.
+    Returns the number of rows compared with their baseline.
+    """
+    if runtime.mode() == "gpu":
+        label, ref_rows = show(rows, sweep, keep)
+        print(table(rows))
+        targets(sweep, rows, label, ref_rows, kernels)
+        return sum(r.get("max_abs_err") is not None for r in rows)
+    bad = [r for r in rows if str(r.get("status", "")).startswith("MISMATCH")]
+    if bad:
+        raise AssertionError("kernels disagree with their baseline:\n" + "\n".join(
+            f"  {r['kernel']} {r.get('B')}/{r.get('H')}/{r.get('H_KV')}/{r.get('S') or r.get('T')}: {r['status']}"
+            for r in bad))
+    checked = [r for r in rows if r.get("kernel") and r.get("max_abs_err") is not None]
+    names = sorted({r["kernel"] for r in checked})
+    print(f"CPU mode: {len(checked)} outputs of {len(names)} kernel(s) ({', '.join(names)}) agree with their "
+          "PyTorch baseline at small, ragged shapes (the Triton kernels in the interpreter). Times measured on a CPU "
+          "say nothing about these GPU kernels, so none are drawn here.")
+    label, ref_rows = reference(sweep, root)
+    kept = [r for r in ref_rows if r.get("kernel") and (keep is None or keep(r["kernel"]))]
+    if not kept:
+        print(NO_REFERENCE)
+        return len(checked)
+    import matplotlib.pyplot as plt
+
+    plot_sweep(kept, sweep)
+    plt.show()
+    targets(sweep, rows, label, kept, kernels)
+    return len(checked)
 
 
 def _markdown(text: str):
