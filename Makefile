@@ -32,7 +32,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
 
 test: $(STAMP)
-	KVLIB_THREADS=$(THREADS) OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
+	KVLIB_CHECK_FIGURES=1 KVLIB_THREADS=$(THREADS) OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadscope $(PYTEST_ARGS)
 
 # The benchmark sweeps (results.csv, summary.md, PNGs in bench-out/); BENCH_ARGS="--quick" on a CPU.

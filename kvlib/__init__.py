@@ -8,3 +8,8 @@ from . import runtime  # noqa: F401  (must run before any module imports triton)
 from .runtime import DEVICE, INTERPRETER, describe  # noqa: F401
 
 __version__ = "0.1.0"
+
+import os as _os
+
+if _os.environ.get("KVLIB_CHECK_FIGURES") == "1":  # the course's test command: every figure shown is checked
+    from . import figures  # noqa: F401,E402  (wraps matplotlib.pyplot.show)
