@@ -560,8 +560,9 @@ class KVCache:
         T, start = q.shape[2], self.seq_lens
         L = self._make_room(T)
         triton_kernels = self.kernels == "triton"
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
+        k_cache, v_cache = self._buffers(layer_idx)
+        if self._stores(layer_idx):
+            (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
         self._stored(layer_idx, start, T)
         if T == 1:  # decode: one new token per sequence, ragged lengths
             decode = decode_attention if triton_kernels else decode_attention_ref
@@ -571,6 +572,14 @@ class KVCache:
             out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
         self._advance(layer_idx, T)
         return out
+
+    def _buffers(self, layer_idx):
+        """The (k, v) buffers layer ``layer_idx`` stores into and attends over (CrossLayerKVCache: its group's)."""
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def _stores(self, layer_idx) -> bool:
+        """Whether layer ``layer_idx`` writes its new K/V (CrossLayerKVCache: only a group's first layer)."""
+        return True
 
     def _stored(self, layer_idx, start, T):
         """Hook between storing T new rows per sequence (at positions start[b]..) and attending: a subclass

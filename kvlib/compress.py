@@ -724,23 +724,14 @@ class CrossLayerKVCache(KVCache):
         if layer_idx == self.n_layers - 1:  # after the model's last layer, not the last stored group
             self.seq_lens += T
 
-    def attend(self, layer_idx, q, k, v):
-        self._check_attend(layer_idx, q, k, v, self.k[0].dtype)
-        T, start = q.shape[2], self.seq_lens
-        L = self._make_room(T)
-        group, j = divmod(layer_idx, self.share)
-        k_cache, v_cache = self.k[group], self.v[group]
-        triton_kernels = self.kernels == "triton"
-        if j == 0:  # the group's first layer stores; the others read what it stored (these T tokens included)
-            (store_kv if triton_kernels else store_kv_ref)(k_cache, v_cache, k, v, start)
-        if T == 1:
-            decode = decode_attention if triton_kernels else decode_attention_ref
-            out = decode(q[:, :, 0], k_cache, v_cache, start + 1)[:, :, None]  # (B, H, 1, D)
-        else:
-            prefill = flash_attention if triton_kernels else attention_ref
-            out = prefill(q, k_cache[:, :, :L], v_cache[:, :, :L], causal=True)  # (B, H, T, D)
-        self._advance(layer_idx, T)
-        return out
+    # KVCache.attend, with a group's buffers: the group's first layer stores, the others read what it stored
+    # (these T tokens included)
+    def _buffers(self, layer_idx):
+        group = layer_idx // self.share
+        return self.k[group], self.v[group]
+
+    def _stores(self, layer_idx) -> bool:
+        return layer_idx % self.share == 0
 
 
 class _ThroughSeam(nn.Module):
