@@ -22,7 +22,8 @@ The lab gets, at the indentation of the ``BEGIN`` line::
         raise NotImplementedError("Exercise: write this part (about 2 lines). Hint: scores = ...")
 
 - The hint in ``(hint: ...)`` is optional. "About N lines" counts the non-blank, non-comment
-  lines between the markers.
+  lines between the markers; an exercise's heading says the same N (``tests/test_labs.py``
+  checks every lab).
 - A cell may hold several regions, and a notebook several such cells. Regions cannot be nested
   and cannot span cells; a marker without its partner is an error (``ValueError`` naming the
   notebook and the cell index), so a typo can never leak a solution into a lab.
@@ -44,8 +45,11 @@ answer::
                  "Which K/V head does query head h read? ...",
                  "scores = k_cache[b, g, :L] @ q[b, h] has shape (L,) ...")
 
-``hint(1)`` prints the first one, ``hint(2)`` the second, and so on. Keep the marker's own
-``(hint: ...)`` to a pointer (``hint(1), hint(2) ...``): the stub's message is always visible.
+``hint(1)`` prints the first one, ``hint(2)`` the second, and so on. A stub below a ``hints`` cell
+ends its message with one sentence that says how many hints there are, e.g. "Stuck? hint(1) prints
+a first hint, hint(2) and hint(3) say more." (the count is read from the ``Hints(...)`` call), so
+the marker needs no ``(hint: ...)`` of its own there; one that only lists ``hint(1), hint(2) ...``
+is dropped, as the stub's sentence already says it.
 
 Protecting the learners' work
 -----------------------------
@@ -165,14 +169,46 @@ def _count_code_lines(lines: list[str]) -> int:
     return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
 
 
-def _stub(indent: str, n_lines: int, hint: str, tiered: bool = False) -> list[str]:
-    """The two lines that replace a solution region (``tiered``: a ``hints`` cell comes before it)."""
+# A marker hint that only points at the tiered hints, "hint(1), hint(2), hint(3)" or "hint(1) ...".
+_POINTER = re.compile(r"^hint\(\d+\)(\s*(,|…|\.\.\.|and|then)\s*(hint\(\d+\))?)*[\s.,…]*$")
+
+
+def _tiered_sentence(n_hints: int | bool) -> str:
+    """How a stub points at the hints cell above it; ``True``: a hints cell whose count is unknown."""
+    if n_hints is True or n_hints < 1:
+        return "Stuck? hint(1) prints a first hint, hint(2) the next, and so on."
+    if n_hints == 1:
+        return "Stuck? hint(1) prints a hint."
+    more = "hint(2)" if n_hints == 2 else "hint(2) and hint(3)" if n_hints == 3 else f"hint(2) … hint({n_hints})"
+    return f"Stuck? hint(1) prints a first hint, {more} say{'s' if n_hints == 2 else ''} more."
+
+
+def _count_hints(source: str) -> int | bool:
+    """The number of hints a ``hints`` cell's ``Hints(name, *hints)`` call gives (True if it cannot tell)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Hints":
+            if any(isinstance(a, ast.Starred) for a in node.args):
+                return True
+            return max(len(node.args) - 1, 0) or True
+    return True
+
+
+def _stub(indent: str, n_lines: int, hint: str, tiered: int | bool = False) -> list[str]:
+    """The two lines that replace a solution region.
+
+    ``tiered``: a ``hints`` cell comes before it, with that many hints (``True``: a number not known).
+    The message is one line: what to write, the marker's own hint, and where the hints are.
+    """
     about = f"about {n_lines} line{'' if n_lines == 1 else 's'}"
     message = f"Exercise: write this part ({about})."
-    if hint:
-        message += f" Hint: {hint}"
+    if hint and not (tiered and _POINTER.match(hint)):
+        message += f" Hint: {hint}" + ("" if hint.endswith((".", "!", "?", "…")) else ".")
     if tiered:
-        message += " Stuck? Run hint(1) for a first hint, then hint(2), ..."
+        message += " " + _tiered_sentence(tiered)
     # json.dumps gives a valid Python string literal, whatever quotes the hint contains.
     return [
         f"{indent}# TODO: your code here ({about})",
@@ -180,11 +216,11 @@ def _stub(indent: str, n_lines: int, hint: str, tiered: bool = False) -> list[st
     ]
 
 
-def _stub_cell_source(source: str, where: str, tiered: bool = False) -> str:
+def _stub_cell_source(source: str, where: str, tiered: int | bool = False) -> str:
     """Replace every BEGIN/END SOLUTION region of one code cell's source by a stub.
 
     ``where`` ("solutions/x.ipynb, cell 3") names the cell in error messages; ``tiered``: the
-    notebook has a ``hints`` cell above this one, so the stub points at ``hint(1)``.
+    notebook has a ``hints`` cell above this one (with that many hints), so the stub points at ``hint(1)``.
     """
     out: list[str] = []
     region: list[str] | None = None  # lines of the region being read, None outside a region
@@ -261,7 +297,7 @@ def render_lab(solution_nb, source: str | None = None) -> nbformat.NotebookNode:
     # Widget state is output too; everything else (kernelspec, language_info...) is kept.
     lab.metadata.pop("widgets", None)
     cells = []
-    tiered = False  # a hints cell came before: stubs from here on point at hint(1)
+    tiered: int | bool = False  # a hints cell came before (its number of hints): stubs from here point at hint(1)
     for index, cell in enumerate(lab.cells):
         if SOLUTION_ONLY_TAG in cell.get("metadata", {}).get("tags", []):
             continue
@@ -271,7 +307,7 @@ def render_lab(solution_nb, source: str | None = None) -> nbformat.NotebookNode:
             cell["id"] = f"cell-{index}"
         if HINTS_TAG in cell.get("metadata", {}).get("tags", []):
             cell.setdefault("metadata", {}).setdefault("jupyter", {})["source_hidden"] = True
-            tiered = True
+            tiered = _count_hints(_source(cell))
         if cell.cell_type == "code":
             original = _source(cell)
             where = f"{name}, cell {index}"

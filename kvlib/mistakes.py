@@ -306,8 +306,8 @@ def decode_one(q, k_cache, v_cache, seq_lens):
     return out
 
 
-def _tiled_decode(q, k_cache, v_cache, seq_lens, tile, *, rescale=True, update_m=True, mask_scores=True,
-                  mask_loads=True, scale=None):
+def _tiled_decode(q, k_cache, v_cache, seq_lens, tile, *, rescale=True, rescale_l=True, rescale_acc=True,
+                  update_m=True, mask_scores=True, mask_loads=True, scale=None):
     """The decode kernel's loop over tiles of ``tile`` positions, one (sequence, head) at a time."""
     q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
     B, H, D = q.shape
@@ -336,8 +336,8 @@ def _tiled_decode(q, k_cache, v_cache, seq_lens, tile, *, rescale=True, update_m
                 m_new = torch.maximum(m, s.max())
                 alpha = torch.exp(m - m_new) if rescale else torch.tensor(1.0)
                 p = torch.exp(s - m_new)
-                l = l * alpha + p.sum()
-                acc = acc * alpha + p @ v
+                l = (l * alpha if rescale_l else l) + p.sum()
+                acc = (acc * alpha if rescale_acc else acc) + p @ v
                 if update_m:
                     m = m_new
             out[b, h] = acc / l
@@ -354,6 +354,12 @@ def decode_kernel(q, k_cache, v_cache, seq_lens, tile):
     out.update({
         "acc and l are never rescaled by alpha = exp(m_i - m_new) when the running max grows": lambda: _tiled_decode(
             q, k_cache, v_cache, seq_lens, tile, rescale=False),
+        "acc is not rescaled by alpha (l_i is): when a tile raises the running max, what acc summed under the old "
+        "max must be re-expressed under the new one too, acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)":
+            lambda: _tiled_decode(q, k_cache, v_cache, seq_lens, tile, rescale_acc=False),
+        "l_i is not rescaled by alpha (acc is): the running sum was taken under the old max as well, "
+        "l_i = l_i * alpha + tl.sum(p, axis=0)": lambda: _tiled_decode(
+            q, k_cache, v_cache, seq_lens, tile, rescale_l=False),
         "m_i is never updated (m_i = m_new is missing)": lambda: _tiled_decode(
             q, k_cache, v_cache, seq_lens, tile, update_m=False),
         "positions L … (end of the last tile) are not masked: they hold leftovers and must count for nothing; "
@@ -755,6 +761,8 @@ def _preempt(step, *, victim="newest", release=True, promise=True):
                 v = alive[-1]
             elif victim == "oldest":
                 v = others[0] if others else r
+            elif victim == "first":  # alive.pop(0): the oldest still running, the asking request included
+                v = alive[0]
             elif victim == "self":
                 v = r
             else:  # the one holding the most blocks
@@ -789,6 +797,9 @@ def preemption(trace):
     return {
         "the oldest request was preempted: the newest gives way, so the requests that have waited longest "
         "finish first": each(victim="oldest"),
+        "the oldest running request was preempted (alive.pop(0), which is the asking request itself when it is "
+        "the oldest): the newest gives way, alive.pop(), so the requests that have waited longest finish first":
+            each(victim="first"),
         "the request that asked for a block preempted itself although newer ones were running: the newest "
         "running request gives way, and the asking one only when it is the newest": each(victim="self"),
         "the request holding the most blocks was preempted: the engine's rule is by age, newest first": each(
@@ -875,7 +886,7 @@ def sink_window_keep(n, budget, n_sink):
     def sinks_then(w):
         return sorted(set(range(min(n_sink, n))) | set(window(w))) if n > budget else list(range(n))
 
-    return {
+    out = {
         "no sinks: only the most recent positions are kept (that is the plain sliding window); keep the first "
         "n_sink positions too": lambda: window(budget),
         "the window has budget positions on top of the sinks, so n_sink + budget are kept: the sinks count "
@@ -887,6 +898,18 @@ def sink_window_keep(n, budget, n_sink):
         "under the budget some positions were dropped or repeated: when n <= budget every position is kept, "
         "each once": lambda: list(range(min(n_sink, n))) + window(budget - n_sink),
     }
+    if n < budget:  # the over-budget formula alone starts the window before the sinks end
+        start = n - (budget - n_sink)
+        no_case = list(range(n_sink)) + list(range(start, n))
+        where = (f"n = {n} is under the budget {budget}, so the window's start n - (budget - n_sink) = {start} lies "
+                 "inside the sinks")
+        out[f"there is no case for n <= budget: {where}, and positions are repeated"
+            + (f" ({start} is not a position at all)" if start < 0 else "")
+            + "; when n <= budget, return list(range(n))"] = lambda: no_case
+        if start < 0:  # a set removes the repeats, not the negative start
+            out[f"there is no case for n <= budget: {where}, and {start} is not a position; when n <= budget, return "
+                "list(range(n))"] = lambda: sorted(set(range(n_sink)) | set(range(start, n)))
+    return out
 
 
 def h2o_update(scores, probs):
@@ -909,15 +932,21 @@ def h2o_update(scores, probs):
     }
 
 
+CONSTANT_GROUP = ("a constant group (max = min) got scale 0: (x - zero) / 0 is 0/0, NaN, before the cast; give it "
+                  "scale 1 instead, torch.where(scale > 0, scale, torch.ones_like(scale)): its codes are then 0 and "
+                  "it comes back exactly, zero")
+
+
 def quantize_2bit(x, group):
     """Wrong (q, scale, zero) for asymmetric 2-bit quantization in groups of ``group`` along the last dim."""
     g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
 
-    def asym(levels=3, rounding=torch.round, zero_at="min", grouped=True):
+    def asym(levels=3, rounding=torch.round, zero_at="min", grouped=True, constant=1.0):
         t = g if grouped else x.float().reshape(*x.shape[:-1], 1, x.shape[-1])
         lo, hi = t.amin(-1, keepdim=True), t.amax(-1, keepdim=True)
         scale = (hi - lo) / levels
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if constant is not None:  # None: the scale left 0, as (max - min) / 3 gives it
+            scale = torch.where(scale > 0, scale, torch.full_like(scale, constant))
         zero = lo if zero_at == "min" else hi
         q = rounding((t - zero) / scale).clamp(0, 3).to(torch.uint8)
         if not grouped:
@@ -942,6 +971,7 @@ def quantize_2bit(x, group):
         "group) first": lambda: asym(grouped=False),
         "symmetric (absmax) quantization around 0: asymmetric uses the group's min as zero point and spends all "
         "four levels between min and max": symmetric,
+        CONSTANT_GROUP: lambda: asym(constant=None),
     }
 
 
@@ -1014,14 +1044,15 @@ def quantize_keys_2bit(k, group):
     """Wrong (q, scale, zero) for KIVI's keys: k (H_KV, S, D), per channel over groups of ``group`` tokens."""
     H_KV, S, D = k.shape
 
-    def asym(t, dim, levels=3, rounding=torch.round):
+    def asym(t, dim, levels=3, rounding=torch.round, constant=True):
         lo, hi = t.amin(dim, keepdim=True), t.amax(dim, keepdim=True)
         scale = (hi - lo) / levels
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if constant:  # False: the scale left 0, as (max - min) / 3 gives it
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return rounding((t - lo) / scale).clamp(0, 3).to(torch.uint8), scale, lo
 
-    def per_channel(levels=3, rounding=torch.round):
-        q, scale, zero = asym(k.float().reshape(H_KV, S // group, group, D), 2, levels, rounding)
+    def per_channel(levels=3, rounding=torch.round, constant=True):
+        q, scale, zero = asym(k.float().reshape(H_KV, S // group, group, D), 2, levels, rounding, constant)
         return q.reshape(H_KV, S, D), scale[:, :, 0], zero[:, :, 0]
 
     def over_channels():  # exercise 4's dim=-1 on the (H_KV, S // group, group, D) reshape
@@ -1049,6 +1080,8 @@ def quantize_keys_2bit(k, group):
             per_channel(levels=4)),
         "the codes were truncated with floor: round to the nearest level (torch.round)": lambda: per_channel(
             rounding=torch.floor),
+        CONSTANT_GROUP.replace("a constant group (max = min)", "a constant (group, channel), max = min,"): lambda: (
+            per_channel(constant=False)),
     }
 
 

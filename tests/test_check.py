@@ -357,6 +357,8 @@ def _lab03_kernel_source() -> str:
 KERNEL_MISTAKES = {  # the learner's loop body, changed the way a learner gets it wrong
     "no scale": ([("* sm_scale", "")], "not divided by √D"),
     "no alpha": ([("l_i = l_i * alpha", "l_i = l_i"), ("acc = acc * alpha", "acc = acc")], "never rescaled"),
+    "no alpha on acc": ([("acc = acc * alpha", "acc = acc")], "acc is not rescaled by alpha (l_i is)"),  # issue 24
+    "no alpha on l": ([("l_i = l_i * alpha", "l_i = l_i")], "l_i is not rescaled by alpha (acc is)"),
     "scores unmasked": ([('s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * sm_scale, float("-inf"))',
                           's = tl.sum(k * q[None, :], axis=1) * sm_scale')], "scores are not"),
     "<=": ([("ok = pos < L ", "ok = pos <= L ")], "pos <= L"),
@@ -595,6 +597,7 @@ def _variant_sets():
     scores, probs = torch.rand(2, 10), torch.softmax(torch.randn(8, 3, 10), dim=-1)
     out.append(("h2o", h2o_accumulate(scores[None], probs[None], 4)[0], mistakes.h2o_update(scores, probs)))
     x2 = torch.randn(3, 4, 32) + 0.5
+    x2[1, 2] = 0.7  # a constant group, as in the lab
     out.append(("quantize_2bit", quantize_asym(x2.reshape(3, 4, 4, 8), bits=2, dim=-1), mistakes.quantize_2bit(x2, 8)))
     from kvlib.lowbit import quantize_keys_per_channel
 
@@ -602,6 +605,7 @@ def _variant_sets():
         probs = _window_probs(H, window, N, H)
         out.append((f"snapkv {H} {H_KV}", _snapkv_ref(probs, H_KV, kernel), mistakes.snapkv_priority(probs, H_KV, kernel)))
     k = torch.randn(3, 24, 16) * torch.linspace(0.5, 4.0, 16)
+    k[1, 8:16, 5] = -0.3  # a constant (group, channel), as in the lab
     for group in (4, 8):
         out.append((f"quantize_keys {group}", tuple(t[0] for t in quantize_keys_per_channel(k[None], group)),
                     mistakes.quantize_keys_2bit(k, group)))
@@ -711,6 +715,8 @@ def _preempt_wrong(free_blocks, running, *, pick="newest", give_back=True, promi
             left = [r for r in running if r[0] not in victims]
             if pick == "oldest":
                 v = next((r for r in left if r[0] != rid), (rid, held, need))
+            elif pick == "first":  # alive.pop(0) in the hints' loop: the oldest still running, maybe rid itself
+                v = left[0]
             elif pick == "self":
                 v = (rid, held, need)
             elif pick == "longest":
@@ -729,6 +735,7 @@ def _preempt_wrong(free_blocks, running, *, pick="newest", give_back=True, promi
 
 @pytest.mark.parametrize("mistake, words", [
     (dict(pick="oldest"), "oldest request"),
+    (dict(pick="first"), "alive.pop(0)"),  # issue 24: the oldest, as the hints' loop would pick it
     (dict(pick="self"), "preempted itself"),
     (dict(pick="longest"), "most blocks"),
     (dict(give_back=False), "not given back"),
@@ -853,6 +860,27 @@ def test_lab09_sink_window_under_budget_mistake():
     diagnosed(lambda: check(wrong, _ref_keep(n, b, s), mistakes=mistakes.sink_window_keep(n, b, s)), "each once")
 
 
+@pytest.mark.parametrize("n, budget, n_sink", [(5, 8, 2), (8, 8, 4), (12, 6, 2), (20, 8, 4), (30, 7, 0)])
+def test_lab09_sink_window_without_the_under_budget_case(n, budget, n_sink):
+    """Issue 24: the over-budget formula alone (the hints' last line without its `if`), as a learner writes it.
+    It is right over the budget and at it; under it, the check names the missing case."""
+    def no_case(n, budget, n_sink):
+        return list(range(n_sink)) + list(range(n - (budget - n_sink), n))
+
+    def as_a_set(n, budget, n_sink):
+        return sorted(set(range(n_sink)) | set(range(n - (budget - n_sink), n)))
+
+    ref = _ref_keep(n, budget, n_sink)
+    m = mistakes.sink_window_keep(n, budget, n_sink)
+    for wrong in (no_case, as_a_set):
+        mine = wrong(n, budget, n_sink)
+        if n >= budget:
+            assert check(mine, ref)  # nothing to diagnose: the formula is right there
+        else:
+            found = diagnosed(lambda: check(mine, ref, mistakes=m), "there is no case for n <= budget")
+            assert "return list(range(n))" in found and f"= {n - (budget - n_sink)}" in found
+
+
 @pytest.mark.parametrize("wrong, words", [
     (lambda s, p, H_KV, n_rep: s + torch.stack([p[g::H_KV].sum(dim=(0, 1)) for g in range(H_KV)]), "h % H_KV"),
     (lambda s, p, H_KV, n_rep: p.view(H_KV, n_rep, *p.shape[1:]).sum(dim=(1, 2)), "replaced"),
@@ -877,19 +905,25 @@ def test_lab09_h2o_mistakes(wrong, words):
     (dict(rounding=torch.floor), "truncated with floor"),
     (dict(zero_at="max"), "zero point is the group's max"),
     (dict(grouped=False), "one group per row"),
+    (dict(constant="none"), "a constant group (max = min) got scale 0"),  # issue 24
+    (dict(constant="eps"), "a constant group (max = min) got scale 0"),
 ])
 def test_lab09_quantize_2bit_mistakes(mistake, words):
     from kvlib.lowbit import quantize_asym
 
     x = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(0)) + 0.5
+    x[1, 2] = 0.7  # the lab's constant row
     group = 8
 
-    def learner(levels=3, rounding=torch.round, zero_at="min", grouped=True):  # written as a learner would
+    def learner(levels=3, rounding=torch.round, zero_at="min", grouped=True, constant="one"):  # as a learner writes it
         t = x.reshape(3, 4, 4, 8) if grouped else x.reshape(3, 4, 1, 32)
         lo, hi = t.amin(-1, keepdim=True), t.amax(-1, keepdim=True)
         zero = lo if zero_at == "min" else hi
         scale = (hi - lo) / levels
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if constant == "one":
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        elif constant == "eps":  # no 0/0, but not the scale 1 the spec asks for
+            scale = scale.clamp_min(1e-8)
         q = rounding((t - zero) / scale).clamp(0, 3).to(torch.uint8)
         return q.reshape(3, 4, 4, 8), scale.expand(3, 4, 4, 1) if not grouped else scale, \
             zero.expand(3, 4, 4, 1) if not grouped else zero
@@ -977,7 +1011,7 @@ def test_lab09_snapkv_reference_is_snapkvs_code_where_the_window_has_no_votes():
     assert torch.allclose(ref[:, :N], code, atol=1e-6) and torch.isinf(ref[:, N:]).all()
 
 
-def _keys_learner(k, group, *, levels=3, rounding=torch.round, layout="channel"):
+def _keys_learner(k, group, *, levels=3, rounding=torch.round, layout="channel", constant=True):
     """quantize_keys_2bit as a learner writes it, with one mistake switched on."""
     H_KV, S, D = k.shape
     if layout == "channel":
@@ -992,7 +1026,8 @@ def _keys_learner(k, group, *, levels=3, rounding=torch.round, layout="channel")
         g, dim = k.transpose(1, 2).reshape(H_KV, D, S // group, group), -1
     zero = g.amin(dim=dim, keepdim=True)
     scale = (g.amax(dim=dim, keepdim=True) - zero) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if constant:
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = rounding((g - zero) / scale).clamp(0, 3).to(torch.uint8)
     if layout == "all_tokens":
         return q, scale, zero
@@ -1010,6 +1045,7 @@ def _keys_learner(k, group, *, levels=3, rounding=torch.round, layout="channel")
     (dict(layout="transposed"), "transpose them back"),
     (dict(levels=4), "(max - min) / 3"),
     (dict(rounding=torch.floor), "truncated with floor"),
+    (dict(constant=False), "a constant (group, channel), max = min, got scale 0"),  # issue 24
 ])
 def test_lab09_quantize_keys_mistakes(mistake, words):
     from kvlib.lowbit import quantize_keys_per_channel

@@ -79,7 +79,7 @@ def test_stub_keeps_indentation_counts_lines_and_includes_hint():
         "def softmax_rows(x):\n"
         "    # TODO: your code here (about 3 lines)\n"
         '    raise NotImplementedError("Exercise: write this part (about 3 lines). '
-        'Hint: use torch.softmax")\n'
+        'Hint: use torch.softmax.")\n'
         "\n"
         'print("defined")'
     )
@@ -106,7 +106,7 @@ def test_several_regions_per_cell_and_per_notebook_without_leaking():
         "for i in range(3):",
         "        # TODO: your code here (about 1 line)",
         '        raise NotImplementedError("Exercise: write this part (about 1 line). '
-        'Hint: a \\"quoted\\" hint")',
+        'Hint: a \\"quoted\\" hint.")',
         "print(b)",
     ]
     compile(a, "lab", "exec")  # the quotes in the hint are escaped properly
@@ -171,8 +171,8 @@ def test_hints_cell_is_collapsed_and_later_stubs_point_at_it(capsys):
     first, hidden, stub = lab.cells
     assert "hint(1)" not in first.source  # no hints cell above it
     assert hidden.metadata["jupyter"]["source_hidden"] is True and hidden.source == hints.source
-    assert "Stuck? Run hint(1) for a first hint, then hint(2), ..." in stub.source
-    assert "Hint: use torch.softmax" in stub.source  # the marker's own hint is kept
+    assert "Stuck? hint(1) prints a first hint, hint(2) says more." in stub.source  # Hints(...) gives two
+    assert "Hint: use torch.softmax." in stub.source  # the marker's own hint is kept
     compile(stub.source, "lab", "exec")
 
     # Expanding the collapsed cell changes metadata only: not an edit of the learner's lab.
@@ -189,6 +189,42 @@ def test_hints_cell_is_collapsed_and_later_stubs_point_at_it(capsys):
     assert "there are 2 hints, hint(1) … hint(2)" in capsys.readouterr().out
     with pytest.raises(ValueError):
         Hints("empty")
+
+
+@pytest.mark.parametrize("n_hints, sentence", [
+    (1, "Stuck? hint(1) prints a hint."),
+    (2, "Stuck? hint(1) prints a first hint, hint(2) says more."),
+    (3, "Stuck? hint(1) prints a first hint, hint(2) and hint(3) say more."),
+    (5, "Stuck? hint(1) prints a first hint, hint(2) … hint(5) say more."),
+])
+def test_stub_message_is_one_clear_line(n_hints, sentence):
+    """Issue 24: the stub read "Hint: hint(1), hint(2), hint(3) Stuck? Run hint(1)…". A marker hint that only
+    points at the tiered hints is dropped, the stub names how many hints the cell above gives, and the
+    message is one line of whole sentences."""
+    hints = new_code_cell("hint = Hints(\"f\", " + ", ".join(f'"hint {i}"' for i in range(n_hints)) + ")",
+                          metadata={"tags": ["hints"]})
+    pointer = new_code_cell("def f():\n    # BEGIN SOLUTION (hint: hint(1), hint(2), hint(3))\n    return 1\n"
+                            "    # END SOLUTION")
+    plain = new_code_cell("def g():\n    # BEGIN SOLUTION (hint: return 2)\n    return 2\n    # END SOLUTION")
+    lab = render_lab(notebook(hints, pointer, plain))
+    for cell, own in ((lab.cells[1], ""), (lab.cells[2], " Hint: return 2.")):
+        raise_line = [line for line in cell.source.splitlines() if "raise NotImplementedError" in line]
+        assert len(raise_line) == 1
+        message = raise_line[0].strip()[len('raise NotImplementedError("'):-len('")')]
+        assert message == f"Exercise: write this part (about 1 line).{own} {sentence}", message
+        assert "Hint: hint(" not in message and message.count("Stuck?") == 1
+        compile(cell.source, "lab", "exec")
+
+
+def test_committed_stubs_say_one_sentence_about_the_hints():
+    """Every committed stub's message: what to write, then one sentence about the hints above it."""
+    for lab in sorted((REPO / "labs").glob("*.ipynb")):
+        for cell in load(lab).cells:
+            for message in re.findall(r'raise NotImplementedError\("(.*)"\)', cell.source):
+                assert re.fullmatch(r"Exercise: write this part \(about \d+ lines?\)\.( Hint: [^\n]+\.)?"
+                                    r" Stuck\? hint\(1\) prints (a hint|a first hint, hint\(2\)[^.]* says? more)\.",
+                                    message), (lab.name, message)
+                assert "Hint: hint(" not in message, (lab.name, message)
 
 
 def test_edited_lab_with_hints_is_still_protected(tmp_path):
@@ -478,17 +514,73 @@ def test_each_lab_runs_until_its_first_exercise_stub(tmp_path):
         with pytest.raises(CellExecutionError) as err:
             client.execute()
         assert err.value.ename == "NotImplementedError", f"{lab.name}: first error is {err.value.ename}"
+        # Where it stops (what the labs' intros tell the learner, issue 24): the first stub's cell only defines
+        # a function and runs; the first error comes from a later cell that calls it, a check.
+        failed = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                  and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+        first_stub = next(i for i, c in enumerate(nb.cells) if "raise NotImplementedError(" in c.source)
+        assert len(failed) == 1 and failed[0] > first_stub, (lab.name, failed, first_stub)
+        assert "raise NotImplementedError(" not in nb.cells[failed[0]].source, lab.name
+        assert nb.cells[first_stub].get("execution_count") is not None, f"{lab.name}: the stub's cell did not run"
 
 
-def test_lab09_headings_give_their_stubs_line_counts():
-    """Each exercise of lab 09 says "(about K lines)" in its heading, and its stub says the same K (issue 21)."""
-    nb = load(REPO / "labs" / "09_keeping_less_lab.ipynb")
-    headings, stubs = [], []
-    for cell in nb.cells:
-        m = re.search(r"^## Exercise (\d+) · .*\(about (\d+) lines?\)", cell.source, re.M)
-        if cell.cell_type == "markdown" and m:
-            headings.append((int(m[1]), int(m[2])))
+@pytest.mark.parametrize("name", ["03_kv_cache_lab.ipynb", "08_serving_lab.ipynb", "09_keeping_less_lab.ipynb"])
+def test_intro_says_where_an_unwritten_exercise_stops(name):
+    """Issue 24: the intro said a cell holding the `raise` "stops there"; the stub's cell runs (it defines a
+    function) and the check cell after it stops (test_each_lab_runs_until_its_first_exercise_stub checks that)."""
+    intro = load(REPO / "labs" / name).cells[0].source
+    assert "stops there" not in intro
+    assert "runs without an error" in intro and "the check cell after it" in intro
+
+
+WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8}
+STUB = re.compile(r"# TODO: your code here \(about (\d+) lines?\)")
+
+
+def _solution_regions(cell_source: str) -> list[int]:
+    """Lines a learner writes in each BEGIN/END SOLUTION region of a cell, counted as kvlib.labs counts them."""
+    counts, region = [], None
+    for line in cell_source.split("\n"):
+        if labs._BEGIN.match(line):
+            region = []
+        elif labs._END.match(line):
+            counts.append(labs._count_code_lines(region))
+            region = None
+        elif region is not None:
+            region.append(line)
+    return counts
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "labs").glob("*.ipynb")))
+def test_headings_stubs_and_solutions_give_the_same_line_counts(name):
+    """Issues 21 and 24: an exercise's heading says "(about 4 lines)", "(2 lines)" or "(about 1 + 7 lines)"
+    (or "(five short method bodies)"); its stubs, in order, say the same counts, and each stub's count is the
+    solution's (its non-blank, non-comment lines between the markers: the rule kvlib.labs uses)."""
+    lab = load(REPO / "labs" / name)
+    solution = load(REPO / "solutions" / name)
+    sol_counts = [n for c in solution.cells if c.cell_type == "code" for n in _solution_regions(c.source)]
+    stub_counts = [int(n) for c in lab.cells if c.cell_type == "code" for n in STUB.findall(c.source)]
+    assert stub_counts == sol_counts, (stub_counts, sol_counts)
+
+    sections, current = [], None  # (heading, [stub counts]) per exercise
+    for cell in lab.cells:
+        heading = re.search(r"^#+ Exercise \d+ · .*$", cell.source, re.M) if cell.cell_type == "markdown" else None
+        if heading:
+            current = (heading[0], [])
+            sections.append(current)
+        elif cell.cell_type == "markdown" and re.match(r"^#{1,2} ", cell.source):
+            current = None  # "## Going further" and other sections hold no exercise
         elif cell.cell_type == "code":
-            stubs += [int(n) for n in re.findall(r"# TODO: your code here \(about (\d+) lines?\)", cell.source)]
-    assert [n for n, _ in headings] == list(range(1, len(headings) + 1)) and len(headings) == 6, headings
-    assert [k for _, k in headings] == stubs, (headings, stubs)
+            found = [int(n) for n in STUB.findall(cell.source)]
+            assert not found or current is not None, f"{name}: a stub outside an exercise: {cell.source[:80]!r}"
+            if found:
+                current[1].extend(found)
+    assert sections and sum(len(s) for _, s in sections) == len(stub_counts), name
+    for heading, stubs in sections:
+        lines = re.search(r"\((?:about )?(\d+(?: \+ \d+)*) lines?\)\s*$", heading)
+        bodies = re.search(r"\((\w+) short method bodies\)\s*$", heading)
+        assert lines or bodies, f"{name}: {heading!r} does not say how many lines the exercise takes"
+        said = [int(n) for n in lines[1].split(" + ")] if lines else [1] * WORDS[bodies[1]]
+        assert len(said) == len(stubs), (heading, stubs)
+        if lines:
+            assert said == stubs, (heading, stubs)
