@@ -45,7 +45,7 @@ ROWS = [
         "03_kv_cache.ipynb", r"In fp32 the decode step reaches \*\*(?P<pct>\d+%)\*\* of the bandwidth bound",
         "{pct} of the bound"),
     Row("LLaMA-7B, batch 4, 2048 tokens, fp16: the source article's formula vs correct", "04_kv_memory.ipynb",
-        r"Article 000's formula overstates LLaMA-7B's cache 32× \((?P<bad>\d+ GiB) instead of (?P<good>\d+ GiB)",
+        r"The first source article's formula overstates LLaMA-7B's cache 32× \((?P<bad>\d+ GiB) instead of (?P<good>\d+ GiB)",
         "{bad} vs {good}"),
     Row("SmolLM2-135M KV bytes per token, predicted = allocated by kvlib's caches: fp16 / fp32 / INT8 with scales",
         "04_kv_memory.ipynb",

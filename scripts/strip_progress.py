@@ -13,6 +13,7 @@ tests/test_truth.py fails on a committed notebook that still holds one.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,13 +21,17 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+BAR = re.compile(r"\d+%\|.*\|\s*[\d.]+[kMG]?/[\d.?]+[kMG]?")  # tqdm's "  40%|####      | 2/5 [...]"
+
+
 def is_progress(output: dict) -> bool:
-    """A widget output (tqdm.auto in a notebook) or a text bar tqdm wrote to stderr."""
-    if WIDGET in output.get("data", {}):
-        return True
+    """A tqdm bar: a widget output (tqdm.auto in a notebook) whose text is a bar, or a bar written to
+    stderr. Other widgets (an interactive calculator) are kept."""
+    data = output.get("data", {})
+    if WIDGET in data:
+        return bool(BAR.search("".join(data.get("text/plain", ""))))
     text = "".join(output.get("text", "")) if output.get("name") == "stderr" else ""
-    return bool(text) and all(("it/s" in line or "s/it" in line) and "|" in line
-                              for line in text.replace("\r", "\n").splitlines() if line.strip())
+    return bool(text) and all(BAR.search(line) for line in text.replace("\r", "\n").splitlines() if line.strip())
 
 
 def strip(path: Path) -> int:

@@ -4,7 +4,11 @@
   no TODO in the chapters or the solutions (the labs' stubs keep their own marker);
 - every hand-drawn %-of-bandwidth plot in a notebook draws its 100% line (the harness's own plots are
   tested in test_bench_sweeps.py);
-- the README's results table is what the notebooks' committed outputs say (``python -m kvlib.readme``).
+- the README's results table is what the notebooks' committed outputs say (``python -m kvlib.readme``);
+- words written for the people who maintain the course (the test tools, test ids, "session", the GPU
+  script, "whoever maintains") appear neither in what learners read (chapters, labs, solutions, their
+  printed outputs, the README outside its maintainers' section) nor in the messages kvlib prints;
+- no committed notebook holds a frozen progress bar (``scripts/strip_progress.py``).
 """
 
 import json
@@ -46,6 +50,45 @@ def test_no_jargon_in_readme_and_package():
     files = [ROOT / "README.md", *sorted((ROOT / "kvlib").rglob("*.py"))]
     bad = [(f.name, m.group(0)) for f in files for m in JARGON.finditer(f.read_text())]
     assert not bad, bad
+
+
+MAINTAINER = re.compile(r"\bnbval\b|\bpytest\b|tests/test_\w+\.py|\bsessions?\b|gpu_check|whoever maintains|"
+                        r"run by hand|developed on|\b(?:course's )?tests (?:run|compare|check|do not)", re.I)
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS + LABS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_maintainer_words_in_what_learners_read(nb):
+    bad = [(where, m.group(0)) for where, text in _texts(nb) for m in MAINTAINER.finditer(text)]
+    assert not bad, f"say only what helps the learner (maintainer facts go to the README's maintainers' section): {bad}"
+
+
+def _readme_for_learners() -> str:
+    text = (ROOT / "README.md").read_text()
+    head, sep, rest = text.partition("\n## For maintainers")
+    assert sep, "the README needs a '## For maintainers' section (the last one) for facts learners do not need"
+    assert "\n## " not in rest, "'## For maintainers' must be the README's last section"
+    return head
+
+
+def test_no_maintainer_words_in_the_readme_outside_its_maintainers_section():
+    bad = [m.group(0) for m in MAINTAINER.finditer(_readme_for_learners())]
+    assert not bad, bad
+
+
+def test_messages_kvlib_prints_to_learners_have_no_maintainer_words():
+    from kvlib.bench import results
+
+    assert not MAINTAINER.search(results.NO_REFERENCE), results.NO_REFERENCE
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_frozen_progress_bars_are_committed(nb):
+    import runpy
+
+    is_progress = runpy.run_path(str(ROOT / "scripts" / "strip_progress.py"))["is_progress"]
+    d = json.loads(nb.read_text())
+    bad = [i for i, cell in enumerate(d["cells"]) for o in cell.get("outputs", []) if is_progress(o)]
+    assert not bad, f"{nb.name}: progress bars in cells {bad}: run scripts/strip_progress.py on it"
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.name}")
