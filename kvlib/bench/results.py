@@ -350,17 +350,22 @@ NO_REFERENCE = ("Measured on a GPU: not yet. The course has no GPU results to sh
                 "notebook on a machine with an NVIDIA GPU and this cell times the Triton kernels at full size.")
 
 
+def _refuse_mismatches(rows):
+    """Raise AssertionError naming every row whose kernel disagreed with its baseline (status MISMATCH)."""
+    bad = [r for r in rows if str(r.get("status", "")).startswith("MISMATCH")]
+    if bad:
+        raise AssertionError("kernels disagree with their baseline:\n" + "\n".join(
+            f"  {r['kernel']} {r.get('B')}/{r.get('H')}/{r.get('H_KV')}/{r.get('S') or r.get('T')}: {r['status']}"
+            for r in bad))
+
+
 def show(rows, sweep: str, keep=None):
     """Check a sweep's rows (no MISMATCH), draw them (in CPU mode beside the committed GPU reference, if
     any) and say which points were not measured. ``keep(kernel_name)`` selects the curves drawn.
     Returns (reference label, reference rows) for ``targets``."""
     import matplotlib.pyplot as plt
 
-    bad = [r for r in rows if str(r.get("status", "")).startswith("MISMATCH")]
-    if bad:
-        raise AssertionError("kernels disagree with their baseline:\n" + "\n".join(
-            f"  {r['kernel']} {r.get('B')}/{r.get('H')}/{r.get('H_KV')}/{r.get('S') or r.get('T')}: {r['status']}"
-            for r in bad))
+    _refuse_mismatches(rows)
     label, ref_rows = (None, []) if runtime.mode() == "gpu" else reference(sweep)
 
     def kept(rs):
@@ -436,11 +441,7 @@ def report(rows, sweep: str, keep=None, kernels=None, root=None):
         print(table(rows))
         targets(sweep, rows, label, ref_rows, kernels)
         return sum(r.get("max_abs_err") is not None for r in rows)
-    bad = [r for r in rows if str(r.get("status", "")).startswith("MISMATCH")]
-    if bad:
-        raise AssertionError("kernels disagree with their baseline:\n" + "\n".join(
-            f"  {r['kernel']} {r.get('B')}/{r.get('H')}/{r.get('H_KV')}/{r.get('S') or r.get('T')}: {r['status']}"
-            for r in bad))
+    _refuse_mismatches(rows)
     checked = [r for r in rows if r.get("kernel") and r.get("max_abs_err") is not None]
     names = sorted({r["kernel"] for r in checked})
     print(f"CPU mode: {len(checked)} outputs of {len(names)} kernel(s) ({', '.join(names)}) agree with their "
