@@ -681,7 +681,7 @@ class SnapKVCache(BudgetCache):
         votes = self.obs[layer_idx].sum(2).gather(2, rows)  # (B, H_KV, N) in position order
         n = self.n_held[layer_idx][:, None, None]
         j = torch.arange(N, device=rows.device)[None, None]
-        return pool_votes(votes, (j >= n - self.window) | (j >= n), self.kernel, self.pooling)
+        return pool_votes(votes, j >= n - self.window, self.kernel, self.pooling)  # the window and past the end
 
 
 def snapkv_select(q: torch.Tensor, k: torch.Tensor, budget: int, window: int, kernel: int = 7,

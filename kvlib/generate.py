@@ -134,7 +134,7 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     done = torch.zeros(seq.shape[0], dtype=torch.bool, device=device)
     new_tokens = []
-    bar = _progress_bar(progress, max_new_tokens, "naive decoding")
+    bar = _ProgressBar(progress, max_new_tokens, "naive decoding")
     for _ in range(max_new_tokens):
         logits = model(seq, positions=positions, attention_mask=mask)[:, -1]  # (B, V): only the last row is used
         nxt = sample_next(logits, temperature, top_k, generator)  # (B,)
@@ -154,7 +154,7 @@ def generate_naive(model, ids, max_new_tokens: int, *, temperature: float = 0.0,
     return torch.stack(new_tokens, dim=1)
 
 
-class _progress_bar:
+class _ProgressBar:
     """A tqdm bar counting generated tokens (or nothing when ``enabled`` is false). ``finish()`` after the
     loop: a run that stopped early at EOS has finished too, so the bar's total becomes what was done and it
     ends complete (tqdm marks a bar closed short of its total as failed, red in JupyterLab)."""
@@ -265,7 +265,7 @@ def _generate_cached(model, prompts, max_new_tokens, kv, temperature, top_k, see
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
     new_tokens = []
-    bar = _progress_bar(progress, max_new_tokens, f"cached decoding ({type(kv).__name__})")
+    bar = _ProgressBar(progress, max_new_tokens, f"cached decoding ({type(kv).__name__})")
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, generator)  # (B,)
         if eos_id is not None:

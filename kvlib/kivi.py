@@ -593,8 +593,7 @@ class SnapKiviCache(KiviCache):
     its exact windows). Later tokens are all kept, as SnapKV's paper does after the prefill (unlike
     ``SnapKVCache``, which goes on evicting), so the cache grows by one low-bit token per step. Keys are
     stored rotated at their true positions, so dropping positions changes no key; ``next_positions``
-    counts the dropped ones (``dropped``). This is the composition kvpress runs with a quantized cache:
-    a press after the prefill, quantization underneath.
+    counts the dropped ones (``dropped``).
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()

@@ -13,6 +13,7 @@
 
 import json
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -81,13 +82,13 @@ def test_messages_kvlib_prints_to_learners_have_no_maintainer_words():
     assert not MAINTAINER.search(results.NO_REFERENCE), results.NO_REFERENCE
 
 
+IS_PROGRESS = runpy.run_path(str(ROOT / "scripts" / "strip_progress.py"))["is_progress"]
+
+
 @pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_frozen_progress_bars_are_committed(nb):
-    import runpy
-
-    is_progress = runpy.run_path(str(ROOT / "scripts" / "strip_progress.py"))["is_progress"]
     d = json.loads(nb.read_text())
-    bad = [i for i, cell in enumerate(d["cells"]) for o in cell.get("outputs", []) if is_progress(o)]
+    bad = [i for i, cell in enumerate(d["cells"]) for o in cell.get("outputs", []) if IS_PROGRESS(o)]
     assert not bad, f"{nb.name}: progress bars in cells {bad}: run scripts/strip_progress.py on it"
 
 
