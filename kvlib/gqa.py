@@ -7,8 +7,10 @@ What you will learn:
   It costs memory traffic: every copy is written and read again;
 - ``grouped_decode_attention``: one program per (sequence, K/V head) loads each K/V tile *once*
   and computes all n_rep query heads of its group with ``tl.dot`` (the group padded to 16 rows, the
-  smallest ``tl.dot`` tile), so the bytes read per token drop by n_rep. Chapter 03's kernel runs one
-  program per *query* head and reads each K/V element n_rep times. The paged (chapter 05) and int8
+  height of the tensor cores' fp16 tile, PTX ``mma`` shape m16n8k16; Triton 2 refused a ``tl.dot`` under
+  16 rows, Triton 3's NVIDIA backend pads a smaller one itself: ``min_dot_size``), so the bytes read
+  per token drop by n_rep. Chapter 03's kernel runs one program per *query* head and reads each K/V
+  element n_rep times. The paged (chapter 05) and int8
   (chapter 06) decodes use this kernel too (``PAGED``, ``INT8``): ``grouped_decode_launch``;
 - ``mha_to_gqa``: converting a trained MHA model by mean-pooling the K/V projection heads of each
   group (as the GQA paper, Ainslie et al. 2023, does), optionally followed by a short fine-tune.
@@ -117,7 +119,7 @@ def _grouped_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # positions per block (PAGED only): a constant, so pos // BLOCK_SIZE is a shift for 16
     INT8: tl.constexpr,  # True: K/V int8 with one scale per (sequence, K/V head, position)
     SPLITS: tl.constexpr,  # programs per (sequence, K/V head) along the positions
-    GROUP: tl.constexpr,  # n_rep padded to a power of two >= 16 (tl.dot needs 16 rows)
+    GROUP: tl.constexpr,  # n_rep padded to a power of two >= 16 (the tensor cores' 16-row tile; Triton 2's tl.dot minimum)
     TILE_N: tl.constexpr,  # cached positions per step
     TILE_D: tl.constexpr,  # head dim padded to a power of two
     DOT_FP32: tl.constexpr,  # the dots in fp32: only for bf16 in the interpreter (see grouped_decode_partials)

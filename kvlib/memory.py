@@ -227,8 +227,9 @@ def resident_bytes() -> int | None:
         return None
 
 
-def _grow_each(builds, device):
-    """Run each build in turn, keeping every result alive; return how many bytes each one added."""
+def _grow_each(builds, device, trials: int = 3):
+    """Run each build ``trials`` times, keeping every result alive; return the median of the bytes each run
+    added (one other allocation during a run, e.g. a thread starting on a busy machine, moves one run only)."""
     if device == "cuda":
         read = torch.cuda.memory_allocated
     else:
@@ -238,13 +239,16 @@ def _grow_each(builds, device):
         return None
     keep, grown = [], []
     for build, args, kwargs in builds:
-        if device == "cuda":
-            torch.cuda.synchronize()
-        before = read()
-        keep.append(build(*args, **kwargs))  # kept: freed memory would be handed to the next build
-        if device == "cuda":
-            torch.cuda.synchronize()
-        grown.append(read() - before)
+        runs = []
+        for _ in range(trials):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            before = read()
+            keep.append(build(*args, **kwargs))  # kept: freed memory would be handed to the next build
+            if device == "cuda":
+                torch.cuda.synchronize()
+            runs.append(read() - before)
+        grown.append(sorted(runs)[len(runs) // 2])
     return grown
 
 
@@ -257,8 +261,10 @@ def measure_allocation(builds, device="cpu") -> list[int] | None:
     x86-64 Linux) of a *fresh* Python process, so that memory freed earlier in this one cannot be
     reused and hide the growth; where glibc allocates (Linux), every block of 16 KiB or more gets
     pages of its own. A cache's buffers are made by ``torch.zeros``, which writes every byte, so
-    every page is resident. Returns None where the resident size cannot be read. The callables must
-    be importable (a class or a function of a module): on a CPU they run in another process.
+    every page is resident. Each build runs three times and the median growth is returned, so one stray
+    allocation on a busy machine does not move the figure. Returns None where the resident size cannot
+    be read. The callables must be importable (a class or a function of a module): on a CPU they run in
+    another process.
     """
     builds = [(b, tuple(a), dict(k)) for b, a, k in builds]
     if device == "cuda":

@@ -258,7 +258,7 @@ def _ragged_config(TILE_D: int, n_rep: int, longest_q: int, tensor_cores: bool, 
     Two shapes of program, as the batch needs them:
 
     - decode tiles, when every sequence's new tokens fit in one token's padded group (all decodes, or a few
-      speculative tokens): TILE_M = n_rep padded to 16 rows, the smallest tl.dot tile, and the key tiles of
+      speculative tokens): TILE_M = n_rep padded to 16 rows (the tensor cores' 16-row tile, as gqa's grouped decode), and the key tiles of
       gqa's grouped decode (``gqa._grouped_config``). Tensor cores, D = 128: 64 positions, 4 warps, 2 stages:
       143 / 142 registers on sm_80 / sm_90 and 37 SASS instructions per KB of K/V in the main loop (gqa's
       paged decode: 53 at block size 16). FMA units (fp32; a T4): 16 positions at D = 128, 8 warps (4 spill

@@ -121,8 +121,8 @@ EXACT = {
         (r"vLLM's default watermark, 0\.01 \(", "the watermark constant"),
         (r"watermark \d\.\d+, [\d,]+ steps \(\d+% fewer than with none\)",
          "a watermark constant and a ratio of integer step counts"),
-        (r"at \d\.\d+, \d+ preemptions, but \d+\.\d requests run at once instead of \d+\.\d, tokens fill \d+\.\d% of the "
-         r"pool instead of \d+\.\d%",
+        (r"at \d\.\d+, \d+ preemptions, but \d+\.\d requests run at once on average and tokens fill \d+\.\d% of the "
+         r"pool, against \d+\.\d requests and \d+\.\d% at the fastest watermark \(\d\.\d+\)",
          "a watermark constant, pool_sim mean running (integer sum / iterations) and pool usage (pure-Python simulation)"),
         (r"hardly moves \(\d+\.\d% → \d+\.\d%\)", "pool_sim utilization (pure-Python simulation)"),
         (r"steps against [\d,]+ at \d\.\d+\)", "a watermark constant"),

@@ -273,13 +273,18 @@ def test_report_on_a_cpu_says_what_was_checked_and_draws_only_a_gpu_reference(ca
         pytest.skip("on a GPU report() draws this GPU's own rows")
     import matplotlib.pyplot as plt
 
-    rows = [{"sweep": "decode", "kernel": "decode (split-K auto)", "B": 1, "S": 77, "time_ms": 3.0, "max_abs_err": 1e-6,
+    rows = [{"sweep": "decode", "kernel": "decode (split-K auto)", "B": 1, "S": 77, "max_abs_err": 1e-6,
+             "status": "correctness only (interpreter)", "device": "CPU"},
+            {"sweep": "decode", "kernel": "decode_attention_ref", "B": 1, "S": 77, "time_ms": 3.0, "max_abs_err": 1e-7,
              "status": "ok", "device": "CPU"},
             {"sweep": "decode", "kernel": "SDPA", "B": 1, "S": 77, "time_ms": 2.0, "status": "ok", "device": "CPU"}]
     plt.close("all")
-    assert results.report(rows, "decode", root=tmp_path / "none") == 1
+    assert results.report(rows, "decode", root=tmp_path / "none") == 2
     out = capsys.readouterr().out
-    assert "1 outputs of 1 kernel(s) (decode (split-K auto)) agree" in out and results.NO_REFERENCE in out
+    assert ("1 Triton kernel(s), run in the interpreter at small, ragged shapes (decode (split-K auto)): 1 output(s), "
+            "at most 1.0e-06 from their PyTorch baseline; 1 PyTorch path(s) (decode_attention_ref): 1 output(s), "
+            "at most 1.0e-07") in out  # a reference is no kernel, and its own largest difference is shown
+    assert results.NO_REFERENCE in out
     assert not plt.get_fignums()  # CPU times are not drawn
     stamp = {"device": "NVIDIA Test GPU", "mode": "gpu", "driver": "1.2", "torch": "2.x", "triton": "3.x",
              "date": "2026-01-02T00:00:00Z"}

@@ -443,10 +443,16 @@ def report(rows, sweep: str, keep=None, kernels=None, root=None):
         return sum(r.get("max_abs_err") is not None for r in rows)
     _refuse_mismatches(rows)
     checked = [r for r in rows if r.get("kernel") and r.get("max_abs_err") is not None]
-    names = sorted({r["kernel"] for r in checked})
-    print(f"CPU mode: {len(checked)} outputs of {len(names)} kernel(s) ({', '.join(names)}) agree with their "
-          "PyTorch baseline at small, ragged shapes (the Triton kernels in the interpreter). Times measured on a CPU "
-          "say nothing about these GPU kernels, so none are drawn here.")
+    interpreted = [r for r in checked if str(r.get("status", "")).endswith("(interpreter)")]
+    parts = []
+    for group, what in ((interpreted, "Triton kernel(s), run in the interpreter at small, ragged shapes"),
+                        ([r for r in checked if r not in interpreted], "PyTorch path(s)")):
+        if group:
+            found = sorted({r["kernel"] for r in group})
+            parts.append(f"{len(found)} {what} ({', '.join(found)}): {len(group)} output(s), at most "
+                         f"{max(r['max_abs_err'] for r in group):.1e} from their PyTorch baseline")
+    print(f"CPU mode, checked against a baseline: {'; '.join(parts) or 'nothing'}. Times measured on a CPU say "
+          "nothing about these GPU kernels, so none are drawn here.")
     label, ref_rows = reference(sweep, root)
     kept = [r for r in ref_rows if r.get("kernel") and (keep is None or keep(r["kernel"]))]
     if not kept:
