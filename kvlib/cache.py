@@ -506,6 +506,40 @@ class KVCache:
         """Positions stored for sequence b."""
         return int(self.seq_lens[check_int("b", b, minimum=0)])
 
+    def truncate(self, b: int, length: int) -> bool:
+        """Cut sequence b back to its first ``length`` positions (chapter 11: rewind rejected draft tokens).
+
+        Here only the length changes: the rows past it are dead and the next call overwrites them, so the
+        cache is then bitwise the cache that never saw the cut tokens. Returns True: the rollback is exact
+        (``BudgetCache.truncate`` may return False). A ValueError names ``b`` or ``length`` when b is not a
+        sequence or length is past what b holds; nothing changes then.
+
+        >>> cache = KVCache(n_layers=1, batch=1, n_kv_heads=1, max_len=8, head_dim=4)
+        >>> _ = cache.attend(0, *(torch.ones(1, 1, 5, 4) for _ in range(3)))  # 5 tokens in one call
+        >>> cache.truncate(0, 3), cache.held(0), cache.next_positions().tolist()  # keep 3: the next goes at 3
+        (True, 3, [[3]])
+        >>> cache.truncate(0, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: length must lie in 0..3 (what sequence 0 holds), got 4
+        """
+        if type(self)._stored is not KVCache._stored and type(self).truncate is KVCache.truncate:
+            raise NotImplementedError(f"{type(self).__name__} rewrites stored rows after each call (_stored): "
+                                      "cutting its lengths alone would not undo that, so it cannot truncate")
+        b, length = self._check_truncate(b, length)
+        self.seq_lens[b] = length
+        return True
+
+    def _check_truncate(self, b, length) -> tuple[int, int]:
+        """(b, length) as ints, or a ValueError naming the argument (b a sequence, length <= what b holds)."""
+        B = self.seq_lens.shape[0]
+        if check_int("b", b, minimum=0) >= B:
+            raise ValueError(f"b must be a sequence index in 0..{B - 1}, got {b}")
+        held = int(self.seq_lens[b])
+        if check_int("length", length, minimum=0) > held:
+            raise ValueError(f"length must lie in 0..{held} (what sequence {b} holds), got {length}")
+        return int(b), int(length)
+
     # The four calls kvlib.generate.generate makes on any cache:
     def reset(self, batch: int | None = None, length: int | None = None):
         """Empty the cache (every length back to 0; the buffers are kept and overwritten later).

@@ -179,6 +179,20 @@ def index_decode_attention_ref(q, k_buf, v_buf, index, n_held, return_probs=Fals
 
 
 @triton.jit
+def _attend_gathered_rows(k_ptr, v_ptr, rows, ok, dims, dim_ok, q, qk_scale, m_i, l_i, acc):
+    """One online-softmax step over gathered rows (chapter 03's decode step, rows from anywhere): K and V at
+    element offsets ``rows`` (only where ``ok``), q (TILE_D,) fp32 -> the new (m_i, l_i, acc)."""
+    mask = ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (rows, TILE_D)
+    s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+
+@triton.jit
 def _index_decode_kernel(
     q_ptr, k_ptr, v_ptr,  # q (B, H, D); buffers (B, H_KV, N_slots, D)
     o_ptr,  # output (B, H, D) in q's dtype
@@ -212,16 +226,7 @@ def _index_decode_kernel(
         ok = j < n
         slot = tl.load(idx_row + j, mask=ok, other=0).to(tl.int64)  # the only new line: where entry j lives
         rows = buf + slot * stride_ks
-        mask = ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
-        s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        v = tl.load(v_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _attend_gathered_rows(k_ptr, v_ptr, rows, ok, dims, dim_ok, q, qk_scale, m_i, l_i, acc)
     tl.store(o_ptr + pid * D + dims, (acc / l_i).to(o_ptr.dtype.element_ty), mask=dim_ok)
     if PROBS:  # second pass: now that the row's max and sum are known, p_j = exp2(s_j - m) / l
         for j0 in range(0, N, TILE_N):
@@ -375,6 +380,61 @@ class BudgetCache(KVCache):
             self.n_held[layer].zero_()
             self.pos[layer].fill_(-1)
             self.score[layer].zero_()
+
+    def truncate(self, b: int, length: int) -> bool:
+        """Forget every position >= ``length`` of sequence b (rejected draft tokens, chapter 11); returns
+        whether the result is *known* to be exact: the cache that only ever saw the first ``length`` tokens.
+
+        ``length`` counts positions seen (``seq_lens``, the next position), not positions held. The held
+        entries of the cut positions are freed in every layer; what an eviction already threw away cannot
+        come back. So the rollback is exact only if nothing was evicted while the cut tokens were held, and
+        the priorities never saw them. This method returns False (not exact) when a layer is full after the
+        last call (it holds its budget: an eviction may have happened in that call, evictions always leave
+        exactly the budget), when a cut position had already been evicted, or when the rule keeps
+        statistics the cut tokens' queries changed (H2O's and SnapKV's attention sums, TOVA's and
+        ExpectedAttention's queries: ``needs_probs`` / ``needs_queries``). If evictions left the K/V heads of
+        a layer holding different numbers of the kept positions, each head keeps only its newest ones, down
+        to the smallest count (the layer's length is one number).
+
+        Speculative decoding with eviction is therefore decoding with a different cache: once the budget is
+        reached every verification call evicts with the drafted tokens present, and the rejected tokens
+        decide what was dropped. Greedy output then differs in general from ``generate`` with the same cache.
+
+        >>> cache = SlidingWindowCache(1, 1, 1, 4, 8, chunk=8)  # budget 4
+        >>> _ = cache.attend(0, *(torch.randn(1, 1, 3, 8) for _ in range(3)))  # 3 held
+        >>> cache.truncate(0, 2), cache.held(0)  # nothing was evicted: exact
+        (True, 2)
+        >>> _ = cache.attend(0, *(torch.randn(1, 1, 4, 8) for _ in range(3)))  # 6 seen, 2 evicted
+        >>> cache.truncate(0, 5), cache.held(0), cache.held_positions(0)[0].tolist()
+        (False, 3, [2, 3, 4])
+        """
+        b, length = self._check_truncate(b, length)
+        cut = int(self.seq_lens[b]) - length
+        exact = not (cut and (self.needs_probs or self.needs_queries))
+        for layer in range(len(self.k)):
+            n = int(self.n_held[layer][b])
+            if n >= self.budgets[layer]:
+                exact = exact and cut == 0
+            index, pos = self.index[layer][b, :, :n], self.pos[layer][b]  # index: held slots in position order
+            kept = (pos.gather(1, index) < length).sum(1)  # (H_KV,) kept entries: a prefix of each row
+            m = int(kept.min()) if n else 0
+            if bool((n - kept != cut).any()):  # a cut position was evicted (or the heads differ)
+                exact = exact and cut == 0
+            if m == n:
+                continue
+            drop = torch.zeros_like(self.pos[layer], dtype=torch.bool)  # (B, H_KV, N_slots)
+            for h in range(index.shape[0]):  # keep the newest m of each head's kept entries
+                drop[b, h, index[h, :int(kept[h]) - m]] = True
+                drop[b, h, index[h, int(kept[h]):]] = True
+                index[h, :m] = index[h, int(kept[h]) - m: int(kept[h])].clone()
+            self.pos[layer].masked_fill_(drop, -1)
+            self.score[layer].masked_fill_(drop, 0.0)
+            self.on_drop(layer, drop)
+            self.n_held[layer][b] = m
+            if self.positions == "reassign" and int(kept.max()) > m:  # ranks moved: renumber what is held
+                self._renumber(layer, int(self.n_held[layer].max()))
+        self.seq_lens[b] = length
+        return exact
 
     def rotated_keys(self, layer_idx: int) -> torch.Tensor:
         """(B, H_KV, N, D) fp32 keys of ``layer_idx`` as attention reads them, held entries in position

@@ -450,6 +450,7 @@ class KiviCache(KVCache):
         self.max_len = check_int("max_len", max_len)
         self.bits, self.group, self.residual, self.v_group = bits, group, residual, v_group
         self.prefill, self.flush = prefill, flush
+        self.rollback_rows = 0  # full-precision rows kept for truncate (enable_rollback); 0: none kept
         S_kq, S_vq = self._n_kq(self.max_len), self._n_vq(self.max_len)  # quantized capacities
         B, H_KV = batch, n_kv_heads
 
@@ -518,11 +519,14 @@ class KiviCache(KVCache):
             # keys: whole groups leave the window
             start, end = self._n_kq(n), self._n_kq(n + T)
             r = n - start  # window rows in use
+            if self.rollback_rows:  # truncate: keep what this call quantizes (below) until the next call
+                self.rollback_from[b, 0] = start
             if end == start:
                 k_res[b, :, r: r + T] = k[b]
             else:
                 tail = torch.cat([k_res[b, :, :r], k[b]], dim=1)  # (H_KV, r + T, D): positions start .. n + T - 1
                 f = end - start  # whole groups
+                self._keep_rows("k_rollback", layer_idx, b, 0, tail[:, :f], end)
                 kq, ks, kz = quantize_keys_per_channel(tail[None, :, :f], G, bits)  # (1, H_KV, f / G, D) scales
                 self.k_packed[layer_idx][b, :, start:end] = pack_bits(kq[0], bits)
                 self.k_scale[layer_idx][b, :, start // G: end // G] = ks[0]
@@ -531,16 +535,95 @@ class KiviCache(KVCache):
             # values: one token at a time (all that left during this call at once: per token, the same codes)
             start, end = self._n_vq(n), self._n_vq(n + T)
             r = n - start
+            if self.rollback_rows:
+                self.rollback_from[b, 1] = start
             if end == start:
                 v_res[b, :, r: r + T] = v[b]
             else:
                 tail = torch.cat([v_res[b, :, :r], v[b]], dim=1)
                 f = end - start
+                self._keep_rows("v_rollback", layer_idx, b, 1, tail[:, :f], end)
                 vq, vs, vz = _quantize_values(tail[None, :, :f], bits, self.v_group)  # (1, H_KV, f, D / v_group)
                 self.v_packed[layer_idx][b, :, start:end] = pack_bits(vq[0], bits)
                 self.v_scale[layer_idx][b, :, start:end] = vs[0]
                 self.v_zero[layer_idx][b, :, start:end] = vz[0]
                 v_res[b, :, :r + T - f] = tail[:, f:]
+
+    def enable_rollback(self, rows: int | None = None):
+        """Keep, until the next call, the full-precision rows each call quantizes, so that ``truncate`` can
+        cut back into the positions of the last call (chapter 11: rejected draft tokens).
+
+        A multi-token call may complete a key group (or push values out of the window) that a truncate then
+        cuts into: the positions before the cut must come back into the exact window exactly, and only
+        their full-precision rows can give them back. ``rows`` (default 2 R) rows per layer, K and V, are
+        kept: enough for any call of up to R tokens; of a longer call (a prompt) only the last ``rows``
+        quantized positions can be restored. Memory this adds (``k_rollback``, ``v_rollback``, not counted
+        in ``nbytes``): 2 x rows x H_KV x D values per layer and sequence. Call it on the whole cache, not on
+        a ``sequence(b)`` view.
+
+        >>> cache = KiviCache(n_layers=1, batch=1, n_kv_heads=1, max_len=32, head_dim=8, group=4, residual=4)
+        >>> cache.enable_rollback()
+        >>> _ = cache.attend(0, *(torch.randn(1, 1, 3, 8) for _ in range(3)))  # 3 positions: all exact
+        >>> _ = cache.attend(0, *(torch.randn(1, 1, 6, 8) for _ in range(3)))  # 6 drafted: 4 keys quantized
+        >>> cache.n_quantized(0), cache.truncate(0, 5), cache.n_quantized(0)  # back to 5: the rows come back
+        ((8, 5), True, (4, 1))
+        """
+        rows = 2 * self.residual if rows is None else check_int("rows", rows)
+        B, H_KV, _, D = self.k[0].shape
+        like = dict(dtype=self.k[0].dtype, device=self.k[0].device)
+        self.k_rollback = [torch.zeros(B, H_KV, rows, D, **like) for _ in self.k]  # row j: position rollback_from + j
+        self.v_rollback = [torch.zeros(B, H_KV, rows, D, **like) for _ in self.v]
+        n = self.seq_lens.long()
+        self.rollback_from = torch.stack([self._n_kq(n), self._n_vq(n)], dim=1)  # (B, 2): keys, values
+        self.rollback_rows = rows
+
+    def _keep_rows(self, name, layer_idx, b, col, rows, end):
+        """Keep the full-precision rows (H_KV, f, D) of positions end - f .. end - 1 a call quantized (the
+        last ``rollback_rows`` of them) in ``getattr(self, name)[layer_idx]``; col 0: keys, 1: values."""
+        if not self.rollback_rows:
+            return
+        n = min(rows.shape[1], self.rollback_rows)
+        getattr(self, name)[layer_idx][b, :, :n] = rows[:, rows.shape[1] - n:]
+        self.rollback_from[b, col] = end - n
+
+    def truncate(self, b: int, length: int) -> bool:
+        """Cut sequence b back to its first ``length`` positions, bitwise as if it had never seen the rest.
+
+        Codes, scales and zeros of the positions kept do not change (a key group holds only kept positions
+        when it lies before the new quantized count; the codes past it are dead). What the shorter length
+        keeps exact must be back in the windows: positions the last call quantized come back from the rows
+        ``enable_rollback`` keeps. A cut that needs rows no longer kept (quantized by an earlier call, or
+        rollback not enabled) raises ValueError and changes nothing. Returns True (exact).
+
+        >>> cache = KiviCache(n_layers=1, batch=1, n_kv_heads=1, max_len=32, head_dim=8, group=4, residual=4)
+        >>> _ = cache.attend(0, *(torch.randn(1, 1, 3, 8) for _ in range(3)))
+        >>> cache.truncate(0, 2), cache.held(0)  # nothing quantized: the windows already hold it
+        (True, 2)
+        """
+        b, m = self._check_truncate(b, length)
+        cur = int(self.seq_lens[b])
+        plans = []
+        for col, (n_cur, n_m) in enumerate(((int(self._n_kq(cur)), int(self._n_kq(m))),
+                                            (int(self._n_vq(cur)), int(self._n_vq(m))))):
+            if n_m == n_cur:  # the window holds positions n_cur .. cur - 1, which covers n_m .. m - 1
+                continue
+            first = int(self.rollback_from[b, col]) if self.rollback_rows else n_cur
+            if n_m < first:
+                what = "keys" if col == 0 else "values"
+                how = ("the last call's" if self.rollback_rows else "no (call enable_rollback() first to keep the "
+                       "last call's")
+                raise ValueError(f"length={m} needs the full-precision {what} of positions {n_m}..{n_cur - 1} of "
+                                 f"sequence {b}, but {how} full-precision rows are kept only from position "
+                                 f"{first}{'' if self.rollback_rows else ')'}: a cut this far back cannot be exact")
+            plans.append((col, n_cur, n_m, first))
+        for col, n_cur, n_m, first in plans:  # checked first: a refused cut changes nothing
+            windows, kept = (self.k, self.k_rollback) if col == 0 else (self.v, self.v_rollback)
+            for window, rows in zip(windows, kept):
+                back = rows[b, :, n_m - first: min(m, n_cur) - first]  # positions n_m .. that were quantized
+                new = torch.cat([back, window[b, :, :max(0, m - n_cur)]], dim=1)  # then those still exact
+                window[b, :, :new.shape[1]] = new
+        self.seq_lens[b] = m
+        return True
 
     def _held_kv(self, layer_idx, n, dtype):
         """Every sequence's n positions as the cache holds them, (B, H_KV, n, D) keys and values: the

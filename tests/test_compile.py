@@ -38,7 +38,7 @@ def test_every_kernel_is_launched_by_a_spec_and_builds_cleanly(compiled):
 def test_every_architecture_and_known_kernels_are_covered(compiled):
     kernels = {r["kernel"] for r in compiled}
     assert {"add_kernel", "_flash_attention_kernel", "_decode_kernel", "_grouped_decode_kernel",
-            "_index_decode_kernel", "_kivi_decode_kernel", "_store_kv_kernel"} <= kernels
+            "_index_decode_kernel", "_kivi_decode_kernel", "_store_kv_kernel", "_sparse_decode_kernel"} <= kernels
     for k in kernels:
         assert {r["arch"] for r in compiled if r["kernel"] == k} >= {"sm_75", "sm_80", "sm_90"}, k
 

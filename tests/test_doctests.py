@@ -7,13 +7,15 @@ import pytest
 
 MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
            "kvlib.gqa", "kvlib.ragged", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
-           "kvlib.kivi", "kvlib.footprint", "kvlib.compress", "kvlib.serve"]
+           "kvlib.kivi", "kvlib.footprint", "kvlib.compress", "kvlib.serve", "kvlib.sparse", "kvlib.hybrid",
+           "kvlib.speculate"]
 
 # Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
 MUST_HAVE_EXAMPLES = {
     "kvlib.attention": ["attention_ref", "flash_attention", "check_attention_inputs"],
     "kvlib.vector_add": ["add", "add_ref"],
-    "kvlib.cache": ["KVCache", "store_kv", "store_kv_ref", "decode_attention", "decode_attention_ref"],
+    "kvlib.cache": ["KVCache", "KVCache.truncate", "store_kv", "store_kv_ref", "decode_attention",
+                    "decode_attention_ref"],
     "kvlib.paged": ["BlockAllocator", "PagedKVCache", "paged_decode_attention", "paged_decode_attention_ref",
                     "store_paged", "store_paged_ref"],
     "kvlib.quant": ["quantize_int8", "dequantize_int8", "int8_decode_attention", "int8_decode_attention_ref",
@@ -31,9 +33,18 @@ MUST_HAVE_EXAMPLES = {
     "kvlib.lowbit": ["quantize_asym", "dequantize_asym", "pack_bits", "unpack_bits", "pack_2bit", "unpack_2bit",
                      "quantize_keys_per_channel", "quantize_values_per_token", "LayerQuantCache", "kl_divergence",
                      "layer_sensitivity", "plan_bits"],
-    "kvlib.kivi": ["kivi_decode_attention", "kivi_decode_attention_ref", "KiviCache", "SnapKiviCache"],
+    "kvlib.kivi": ["kivi_decode_attention", "kivi_decode_attention_ref", "KiviCache", "KiviCache.truncate",
+                   "KiviCache.enable_rollback", "SnapKiviCache"],
     "kvlib.footprint": ["held_bytes", "MemoryMeter"],
     "kvlib.serve": ["TextStream", "ServeMetrics"],
+    "kvlib.sparse": ["block_summaries", "update_block_summaries", "block_upper_bound", "select_blocks",
+                     "sparse_decode_attention", "sparse_decode_attention_ref", "QuestCache", "QuestCache.truncate"],
+    "kvlib.speculate": ["prompt_lookup", "PromptLookupDrafter", "LayerSkipDrafter", "greedy_accept",
+                        "speculative_accept", "speculative_generate", "SpeculativeResult", "truncate_cache",
+                        "KiviVerifySeam"],
+    "kvlib.hybrid": ["layer_plan", "band_mask", "banded_attention_ref", "HybridCache", "HybridCache.truncate",
+                     "hybrid_bytes", "blocks_held", "pool_blocks", "aligned_block_size", "prefix_hit",
+                     "state_hybrid_bytes"],
     "kvlib.compress": ["record_kv", "fit_low_rank", "low_rank_error", "LowRankKVCache", "MLAConfig",
                        "LatentAttention", "LatentKVCache", "mla_bytes_per_token", "mha_bytes_per_token",
                        "mla_gqa_groups", "SharedKVSeam", "CrossLayerKVCache", "finetune_shared", "evaluate_shared"],
