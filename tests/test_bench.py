@@ -56,3 +56,12 @@ def test_plot_curves_labels_units_and_device():
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["a", "b", "gpu [H200]"]
     assert len(ax.lines[0].get_xdata()) == 2  # the None point is skipped
+
+
+def test_plot_curves_labels_the_plotted_sizes_as_plain_numbers():
+    """A log2 axis of sizes reads 1,024 and 4,096 at the measured points, not 2^10 .. 2^17 between them."""
+    ax = bench.plot_curves([1024, 4096, 131072], {"a": [1, 2, 3]}, xlabel="S", ylabel="ms", title="t")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1,024", "4,096", "131,072"]
+    ax = bench.plot_curves(None, {"a": ([256, 512], [1, 2]), "b": ([1024], [3])}, xlabel="S", ylabel="ms", title="t")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "512", "1,024"]
+    matplotlib.pyplot.close("all")
