@@ -169,9 +169,10 @@ def plot_curves(x, series: dict, *, xlabel: str, ylabel: str, title: str, logx: 
         ax.plot(rx, ry, linestyle="--", marker="x", label=f"{label} [{reference_device or 'reference'}]")
     if logx:
         ax.set_xscale("log", base=2)
-        plotted = sorted({float(a) for ys in series.values() for a in list(ys[0] if x is None else x)
-                          if isinstance(a, numbers.Real) and a > 0})
-        if 1 < len(plotted) <= 12:  # plain numbers at the plotted sizes, not 2^k powers between them
+        xs_all = [a for ys in series.values() for a in list(ys[0] if x is None else x)]
+        xs_all += [a for rx, _ in (reference or {}).values() for a in list(rx)]
+        plotted = sorted({float(a) for a in xs_all if isinstance(a, numbers.Real) and a > 0})
+        if 3 <= len(plotted) <= 12:  # plain numbers at the plotted sizes, not 2^k powers between them
             ax.set_xticks(plotted, [f"{a:,g}" if a < 1e6 else f"{a:.3g}" for a in plotted])
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
     if logy:
