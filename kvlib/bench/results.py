@@ -30,7 +30,7 @@ __all__ = ["COLUMNS", "stamp", "write_csv", "read_csv", "curves", "reference", "
            "NO_REFERENCE", "report"]
 
 COLUMNS = [
-    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory, engine, keepless, ragged
+    "sweep",  # which sweep: copy, prefill, decode, paged, int8, grouped, store, memory, engine, keepless, ragged, sparse
     "kernel",  # what ran (a Triton kernel, a PyTorch path, SDPA...)
     "B", "H", "H_KV", "S", "T", "D",  # shape glossary of the course (T: new tokens, S: cached length)
     "block_size",  # positions per cache block (paged rows)
@@ -274,6 +274,7 @@ PLOTS = {
     "grouped": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel", "H", "H_KV"), True),
     "store": ("T", "pct_copy_bw", "new tokens written T", "% of measured copy bandwidth", ("kernel",), False),
     "keepless": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel",), True),
+    "sparse": ("S", "time_ms", "context length S (tokens)", "time per decode step (ms)", ("kernel",), True),
     "ragged": ("S", "time_ms", "context length S of each decode (tokens)", "attention time per step (ms)",
                ("kernel", "T"), True),
     "memory": ("S", "memory_bytes", "context length S (tokens)", "bytes held (4 layers, batch 1)", ("kernel",), True),

@@ -14,7 +14,7 @@ result row (see ``results.COLUMNS``).
   speed says nothing about the kernel's).
 
 Sweeps, in run order: copy (the roofline), decode, paged, int8, grouped, store, prefill, memory, engine,
-keepless, ragged.
+keepless, ragged, sparse.
 
 The ragged sweep times one serving step's attention (B decodes and a prefill chunk of C tokens of B + 1
 sequences, end to end) as one fused ``kvlib.ragged.ragged_paged_attention`` call against the separate calls
@@ -54,6 +54,7 @@ K = 1024
 # What each sweep measures, per run kind: "gpu" (the full run), "gpu_quick" (--quick on a GPU) and "cpu"
 # (the timed PyTorch paths; each Triton kernel also runs once at a small shape in the interpreter).
 # heads: (H, H_KV, D); batch: B; ctx: cached length S; tokens: new tokens T written; mib: buffer sizes.
+# sparse: budget = positions each query head reads (Quest's token budget, blocks of 16, the current one included);
 # ragged: decodes = B sequences decoding one token each at context S; chunk = the step's prefill chunk C (after
 # S cached positions; 0: a decode-only step); --smoke runs the first chunk size, so a mixed step.
 WORKLOADS = {
@@ -63,6 +64,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
+        "sparse": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K], "budget": 1 * K},
         "ragged": {"heads": HEADS[:1], "decodes": [8, 32], "chunk": [512, 2 * K, 0],
                    "ctx": [1 * K, 4 * K, 16 * K, 32 * K]},
         "grouped": {"heads": HEADS[:2], "batch": [1, 8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
@@ -78,6 +80,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
+        "sparse": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K], "budget": 1 * K},
         "ragged": {"heads": HEADS[:1], "decodes": [8], "chunk": [512, 0], "ctx": [4 * K, 16 * K]},
         "grouped": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "store": {"tokens": [16 * K, 64 * K]},
@@ -92,6 +95,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "int8": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
+        "sparse": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K], "budget": 256},
         "ragged": {"heads": [(8, 2, 64)], "decodes": [4], "chunk": [128, 0], "ctx": [512, 2 * K]},  # O(C * S) chunk
         "grouped": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "store": {"tokens": [1 * K, 4 * K, 16 * K]},
@@ -790,6 +794,67 @@ def keepless(ctx: Ctx) -> Iterator[Point]:
 
 
 # --------------------------------------------------------------------------------------------
+# sparse (chapter 11): Quest's decode reading only the selected blocks, vs the dense decode over all S
+# --------------------------------------------------------------------------------------------
+
+
+def sparse(ctx: Ctx) -> Iterator[Point]:
+    """Quest's sparse decode (``budget`` positions per query head, blocks of 16, contiguous and through a block
+    table) against chapter 03's dense decode over the whole cache, and the selection itself (the bound over
+    every block's summaries, then the top blocks) as its own row. Bytes: what each call reads; the sparse
+    kernel's are the selected rows per *query* head (its programs do not share a K/V head's rows)."""
+    from ..cache import decode_attention, decode_attention_ref
+    from ..sparse import (block_summaries, block_upper_bound, select_blocks, sparse_decode_attention,
+                          sparse_decode_attention_ref)
+
+    bs, budget = 16, ctx.sizes["sparse"]["budget"]
+
+    def point(H, H_KV, D, B, S, dtype, timed, lens_list=None, n_sel=None):
+        kernels = ctx.gpu or not timed
+        n_sel = n_sel or budget // bs
+
+        def build():
+            q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
+            if lens_list is not None:
+                lens = torch.tensor(lens_list, dtype=torch.int32, device=ctx.device)
+            kmin, kmax = block_summaries(k, lens, bs)
+            select = lambda: select_blocks(block_upper_bound(q, kmin, kmax), lens, bs, n_sel)  # noqa: E731
+            sel = select()  # (B, H, n_sel)
+            gen = torch.Generator(device=ctx.device).manual_seed(0)
+            perm = torch.randperm(B * (S // bs), device=ctx.device, generator=gen)
+            kb, vb, tables = _to_blocks(k, bs, perm), _to_blocks(v, bs, perm), perm.view(B, S // bs).to(torch.int32)
+            full = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
+            rows = int(((sel >= 0).sum()).item()) * bs  # selected rows, summed over sequences and query heads
+            read = 2 * rows * D * k.element_size() + sel.nbytes + 2 * q.nbytes
+            summaries = kmin.nbytes + kmax.nbytes + q.nbytes
+            dec = decode_attention if kernels else decode_attention_ref
+            sp = sparse_decode_attention if kernels else sparse_decode_attention_ref
+            suffix = "" if kernels else " (ref)"
+            return {
+                f"{_dt(dtype)} decode, all S{suffix}": Kernel(lambda: dec(q, k, v, lens), kernels, full),
+                f"sparse decode, {n_sel} blocks{suffix}": Kernel(
+                    lambda: sp(q, k, v, sel, lens, block_size=bs), kernels, read, expected="expected: sparse"),
+                f"sparse decode paged, {n_sel} blocks{suffix}": Kernel(
+                    lambda: sp(q, kb, vb, sel, lens, block_tables=tables), kernels, read + tables.nbytes,
+                    expected="expected: sparse"),
+                "select blocks (bound + top)": Kernel(select, False, summaries, compare=False),
+                # expected values only (computed once, not timed), from the reference
+                "expected: sparse": Kernel(lambda: sparse_decode_attention_ref(q, k, v, sel, lens, block_size=bs),
+                                           False, None),
+            }
+
+        kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
+        return Point("sparse", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype),
+                                "block_size": bs}, build, curve=("sparse", H, H_KV, D, B, timed),
+                     headline=kvb >= HEADLINE_KV_BYTES, need_bytes=int(kvb * 2.2), timed=timed)
+
+    for H, H_KV, D, B, S in _shapes(ctx, "sparse"):
+        yield point(H, H_KV, D, B, S, ctx.dtype, True)
+    if not ctx.gpu:  # ragged lengths (partly filled last blocks), 4 query heads per K/V head, 5 blocks each
+        yield point(8, 2, 64, 2, 304, ctx.check_dtype, False, lens_list=[300, 237], n_sel=5)
+
+
+# --------------------------------------------------------------------------------------------
 # ragged (chapter 08): one fused call per serving step vs the separate calls it replaces
 # --------------------------------------------------------------------------------------------
 
@@ -910,7 +975,8 @@ def ragged(ctx: Ctx) -> Iterator[Point]:
 
 
 SWEEPS = {"copy": copy, "decode": decode, "paged": paged, "int8": int8, "grouped": grouped, "store": store,
-          "prefill": prefill, "memory": memory, "engine": engine, "keepless": keepless, "ragged": ragged}
+          "prefill": prefill, "memory": memory, "engine": engine, "keepless": keepless, "ragged": ragged,
+          "sparse": sparse}
 
 
 # --------------------------------------------------------------------------------------------
