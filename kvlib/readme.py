@@ -131,6 +131,23 @@ ROWS = [
         r"(?P<kt>\d+) ms, ITL p90 (?P<ki>\d+) ms\); transformers serve (?P<h>[\d.]+) \([\d.]+ req/s, TTFT p90 "
         r"(?P<ht>\d+) ms, ITL p90 (?P<hi>\d+) ms\)",
         "{k} vs {h} tokens/s; at {t} req/s {kt} / {ki} ms vs {ht} / {hi} ms"),
+    Row("SmolLM2-135M-Instruct, greedy speculative decoding with prompt lookup (output token-identical to plain "
+        "decoding): best speed-up in thread CPU time on code / on chat, with the share of drafts accepted",
+        "11_beyond.ipynb",
+        r"prompt lookup's best was (?P<c>[\d.]+)x on code \(k = (?P<ck>\d+), (?P<ca>\d+%) of drafts accepted\) and "
+        r"(?P<h>[\d.]+)x on chat \(k = (?P<hk>\d+), (?P<ha>\d+%)\)", "{c}× (k = {ck}, {ca}) / {h}× (k = {hk}, {ha})"),
+    Row("the same model, Quest with a 64-token budget: bytes read per step (perplexity / passkey) and kept, vs the "
+        "full cache; perplexity (full cache); passkey with the question in the prompt / after the text was cached, "
+        "Quest vs SnapKV at the same bytes read", "11_beyond.ipynb",
+        r"Quest with 64 tokens read (?P<r1>\d+%) / (?P<r2>\d+%) of the full cache per step \(perplexity / passkey\) "
+        r"and kept (?P<k>\d+%): perplexity (?P<p>[\d.]+) \(full (?P<f>[\d.]+)\), passkey (?P<a>\d+%) with the question in "
+        r"the prompt and (?P<b>\d+%) with the question after the text was cached \((?P<d>\d+%) with the question's call "
+        r"dense, Quest's rule; SnapKV at the same bytes read: (?P<sa>\d+%) and (?P<sb>\d+%)\)",
+        "{r1} / {r2} read, {k} kept; perplexity {p} ({f}); {a} / {b} ({d} with Quest's dense question call) vs {sa} / {sb}"),
+    Row("the same model with a 5:1 window/full layer plan applied after training, W = 512: K/V kept at 1,023 tokens, "
+        "perplexity, passkey", "11_beyond.ipynb",
+        r"a 5:1 window plan with W = 512 kept (?P<k>\d+%) of SmolLM2's cache at \d+ tokens, at perplexity (?P<p>[\d.]+) "
+        r"and passkey (?P<a>\d+%)", "{k}, {p}, {a}"),
 ]
 
 
