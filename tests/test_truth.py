@@ -54,7 +54,8 @@ def test_no_jargon_in_readme_and_package():
 
 
 MAINTAINER = re.compile(r"\bnbval\b|\bpytest\b|tests/test_\w+\.py|\bsessions?\b|gpu_check|whoever maintains|"
-                        r"run by hand|developed on|\b(?:course's )?tests (?:run|compare|check|do not)", re.I)
+                        r"run by hand|developed on|run by the tests|built without a\s+GPU|"
+                        r"\b(?:course's )?tests (?:run|compare|check|do not)", re.I)
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS + LABS, ids=lambda p: f"{p.parent.name}/{p.name}")
