@@ -183,7 +183,7 @@ TINY = {
     "engine": {"loads": [2], "requests": 1, "prompt": (5, 8), "output": (2, 3), "max_num_seqs": 2,
                "max_batched_tokens": 8, "block_size": 4, "num_blocks": 4},  # Triton in the interpreter: keep it tiny
     "ragged": {"heads": [(4, 2, 32)], "decodes": [2], "chunk": [20, 0], "ctx": [40]},
-    "sparse": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [128], "budget": 48},
+    "sparse": {"heads": [(4, 2, 32)], "batch": [2], "ctx": [120], "budgets": [32, 48]},  # 120: a partly filled block
 }
 ENGINE_TINY = {"loads": [0.5, 4], "requests": 4, "prompt": (8, 16), "output": (3, 6), "max_num_seqs": 2,
                "max_batched_tokens": 8, "block_size": 4, "num_blocks": 6}  # the CPU branch (PyTorch paths)
@@ -208,7 +208,8 @@ def test_the_gpu_branches_of_every_sweep_run_at_tiny_sizes(monkeypatch):
             assert r["time_ms"] > 0 and r["bytes_moved"] > 0, r
             assert (r.get("baseline") is None) == (r.get("vs_baseline") is None), r
             # add is not a copy; selecting blocks computes indices, not attention
-            compared = r.get("baseline") is not None and r["kernel"] not in ("torch add", "select blocks (bound + top)")
+            compared = r.get("baseline") is not None and r["kernel"] != "torch add" and not r["kernel"].startswith(
+                "select ")
             assert not compared or r.get("max_abs_err") is not None, r
     assert {r["kernel"] for r in rows if r["sweep"] == "int8"} == {
         "float32 decode", "int8 decode (fused dequant)", "dequantize, then fp16 decode"}
@@ -446,3 +447,54 @@ def test_ragged_sweep_checks_the_fused_step_against_the_separate_calls_and_times
     wrong = {r["kernel"]: r["status"] for r in sweeps.run(["ragged"], progress=False, ctx=ctx) if r["time_ms"]}
     assert wrong["ragged, decodes + chunk (ref)"].startswith("MISMATCH")
     assert wrong["paged decode + gather + flash (engine before) (ref)"] == "ok"
+
+
+@pytest.mark.skipif(GPU, reason="CPU shapes")
+def test_sparse_sweep_counts_the_rows_read_and_checks_every_kernel_against_the_reference(monkeypatch):
+    """cpu_smoke: at the smallest CPU point the PyTorch paths are timed (dense decode over all S, paged, the
+    selection, sparse contiguous and paged at the budget), the sparse bytes between the budget's rows per K/V head
+    and the whole cache; then the interpreter's checks at awkward shapes (S not a multiple of the block size,
+    partly filled last blocks, a sequence shorter than the budget, 1, 2, 4 and 8 query heads per K/V head, fp16
+    and fp32), every Triton output compared with its reference; a kernel that skips a selected block is caught."""
+    rows = sweeps.run(["sparse"], smoke=True, progress=False)
+    assert all(set(r) == set(results.COLUMNS) and r["sweep"] == "sparse" for r in rows)
+    assert all(r["status"] in ("ok", "correctness only", "correctness only (interpreter)") for r in rows), rows
+    (budget,) = sweeps.WORKLOADS["cpu_smoke"]["sparse"]["budgets"]
+    n = budget // 16
+    timed = [r for r in rows if r["time_ms"] is not None]
+    assert [r["kernel"] for r in timed] == [
+        "float32 decode, all S (ref)", "paged decode, all S (ref)", f"select {n} blocks (bound + top)",
+        f"sparse decode, {n} blocks (ref)", f"sparse decode paged, {n} blocks (ref)"]
+    dense, paged, select, sparse, sparse_paged = timed
+    H, H_KV, D, S = dense["H"], dense["H_KV"], dense["D"], dense["S"]
+    assert dense["bytes_moved"] == 2 * S * H_KV * D * 4 + 2 * H * D * 4 and dense["baseline"] is None
+    extra = H * n * 8 + 2 * H * D * 4  # the selection (int64) read, q read, the output written
+    assert 2 * H_KV * budget * D * 4 + extra <= sparse["bytes_moved"] <= 2 * S * H_KV * D * 4 + extra
+    assert paged["bytes_moved"] - dense["bytes_moved"] == sparse_paged["bytes_moved"] - sparse["bytes_moved"] == \
+        S // 16 * 4  # the int32 block table
+    assert select["bytes_moved"] == 2 * H_KV * (S // 16) * D * 4 + H * D * 4 + H * n * 8  # (kmin, kmax), q, selection
+    assert select["max_abs_err"] is None
+    for r in (paged, select, sparse, sparse_paged):
+        assert r["baseline"] == dense["kernel"] and r["vs_baseline"] > 0 and r["gbps"] > 0, r
+    checks = [r for r in rows if r["status"] == "correctness only (interpreter)"]
+    assert {(r["H"] // r["H_KV"], r["dtype"]) for r in checks if r["kernel"].startswith("sparse decode paged")} == {
+        (1, "float32"), (2, "float32"), (4, "float16"), (8, "float16")}
+    assert all(r["S"] % 16 for r in checks) and all(
+        r["max_abs_err"] is not None and r["max_abs_err"] <= sweeps.TOL[getattr(torch, r["dtype"])] for r in checks)
+    assert sum(r["kernel"].startswith("sparse decode") for r in checks) == 8
+
+    import kvlib.sparse
+
+    real = kvlib.sparse.sparse_decode_attention
+
+    def skips_last_block(q, k, v, sel, lens, **kw):  # a buggy kernel: each head's last selected block is left out
+        last = ((sel >= 0).sum(-1, keepdim=True) - 1).clamp(min=1)  # (a head with one block keeps it)
+        return real(q, k, v, sel.scatter(-1, last, -1), lens, **kw)
+
+    monkeypatch.setattr(kvlib.sparse, "sparse_decode_attention", skips_last_block)
+    ctx = sweeps.Ctx(quick=True, measure=False)
+    ctx.sizes = {"sparse": {**sweeps.WORKLOADS["cpu_smoke"]["sparse"], "ctx": []}}  # the interpreter's points only
+    wrong = sweeps.run(["sparse"], progress=False, ctx=ctx)
+    status = {(r["S"], r["kernel"]): r["status"] for r in wrong}
+    assert all(s.startswith("MISMATCH") for (_, k), s in status.items() if k.startswith("sparse decode")), status
+    assert not any(s.startswith("MISMATCH") for (_, k), s in status.items() if not k.startswith("sparse decode"))

@@ -21,6 +21,11 @@ sequences, end to end) as one fused ``kvlib.ragged.ragged_paged_attention`` call
 the engine made before (``paged_decode_attention`` for the decodes, ``flash_attention`` for the chunk), and a
 decode-only step against ``paged_decode_attention`` alone (see ``ragged``).
 
+The sparse sweep (chapter 11) times Quest's ``kvlib.sparse.sparse_decode_attention`` at fixed token budgets as S
+grows, contiguous and through a block table, against the dense decode over all S (chapter 03's, and chapter 05's
+paged one); bytes are the rows it must read (each K/V head's selected rows once), so its GB/s and its ratio to the
+dense kernel say what reading less buys. The selection (bound + top blocks) is a row of its own (see ``sparse``).
+
 The engine sweep is not a kernel: it serves one seeded trace of requests (Poisson arrivals, skewed
 prompt and output lengths) through ``kvlib.engine.Engine`` with the tiny model at several loads, and
 the same requests through static batching (``generate`` in batches of ``max_num_seqs``): generated
@@ -54,7 +59,8 @@ K = 1024
 # What each sweep measures, per run kind: "gpu" (the full run), "gpu_quick" (--quick on a GPU) and "cpu"
 # (the timed PyTorch paths; each Triton kernel also runs once at a small shape in the interpreter).
 # heads: (H, H_KV, D); batch: B; ctx: cached length S; tokens: new tokens T written; mib: buffer sizes.
-# sparse: budget = positions each query head reads (Quest's token budget, blocks of 16, the current one included);
+# sparse: budgets = token budgets, the positions each query head reads (Quest's; blocks of 16, the current one
+# included), one selection and two sparse rows (contiguous, paged) per budget at each S;
 # ragged: decodes = B sequences decoding one token each at context S; chunk = the step's prefill chunk C (after
 # S cached positions; 0: a decode-only step); --smoke runs the first chunk size, so a mixed step.
 WORKLOADS = {
@@ -64,7 +70,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
-        "sparse": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K], "budget": 1 * K},
+        "sparse": {"heads": HEADS[:1], "batch": [8, 32], "ctx": [4 * K, 16 * K, 64 * K], "budgets": [256, 1 * K]},
         "ragged": {"heads": HEADS[:1], "decodes": [8, 32], "chunk": [512, 2 * K, 0],
                    "ctx": [1 * K, 4 * K, 16 * K, 32 * K]},
         "grouped": {"heads": HEADS[:2], "batch": [1, 8, 32], "ctx": [4 * K, 16 * K, 64 * K]},
@@ -80,7 +86,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "int8": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
-        "sparse": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K], "budget": 1 * K},
+        "sparse": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K], "budgets": [256, 1 * K]},
         "ragged": {"heads": HEADS[:1], "decodes": [8], "chunk": [512, 0], "ctx": [4 * K, 16 * K]},
         "grouped": {"heads": HEADS[:1], "batch": [8], "ctx": [16 * K, 64 * K]},
         "store": {"tokens": [16 * K, 64 * K]},
@@ -95,7 +101,7 @@ WORKLOADS = {
         "paged": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "int8": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "keepless": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
-        "sparse": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K], "budget": 256},
+        "sparse": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K], "budgets": [256]},
         "ragged": {"heads": [(8, 2, 64)], "decodes": [4], "chunk": [128, 0], "ctx": [512, 2 * K]},  # O(C * S) chunk
         "grouped": {"heads": HEADS[:1], "batch": [1], "ctx": [512, 2 * K, 8 * K]},
         "store": {"tokens": [1 * K, 4 * K, 16 * K]},
@@ -318,9 +324,11 @@ def decode(ctx: Ctx) -> Iterator[Point]:
 
 def _to_blocks(k, block_size, perm):
     """(B, H_KV, S, D) -> a pool (num_blocks, block_size, H_KV, D) where logical block i of
-    sequence b lives in physical block perm[b * blocks_per_seq + i]."""
+    sequence b lives in physical block perm[b * blocks_per_seq + i] (a last, partly filled block: zeros after S)."""
     B, H_KV, S, D = k.shape
-    nb = S // block_size
+    nb = -(-S // block_size)
+    if S % block_size:
+        k = F.pad(k, (0, 0, 0, nb * block_size - S))
     pool = torch.empty(B * nb, block_size, H_KV, D, dtype=k.dtype, device=k.device)
     pool[perm] = k.permute(0, 2, 1, 3).reshape(B * nb, block_size, H_KV, D)
     return pool
@@ -799,59 +807,80 @@ def keepless(ctx: Ctx) -> Iterator[Point]:
 
 
 def sparse(ctx: Ctx) -> Iterator[Point]:
-    """Quest's sparse decode (``budget`` positions per query head, blocks of 16, contiguous and through a block
-    table) against chapter 03's dense decode over the whole cache, and the selection itself (the bound over
-    every block's summaries, then the top blocks) as its own row. Bytes: what each call reads; the sparse
-    kernel's are the selected rows per *query* head (its programs do not share a K/V head's rows)."""
+    """Quest's sparse decode at fixed token budgets (positions each query head reads, blocks of 16, the current
+    block included), over a contiguous cache and through a block table (pools built as the paged sweep builds
+    them), against chapter 03's dense decode over the whole cache (the baseline) and chapter 05's paged decode.
+    The selection (the bound over every block's summaries, then the top blocks) is its own row per budget,
+    compared with nothing: the sparse rows' times exclude it. Bytes: what each call must read at least; the
+    sparse kernel's are the distinct rows the query heads of each K/V head selected (their union: the kernel's
+    programs are per query head and re-read shared rows, from L2, as chapter 03's decode does), the selection
+    and q, and the output written; the selection's are every block's (kmin, kmax), q, and the selection written.
+    Every sparse output is checked against ``sparse_decode_attention_ref``."""
     from ..cache import decode_attention, decode_attention_ref
+    from ..paged import paged_decode_attention, paged_decode_attention_ref
     from ..sparse import (block_summaries, block_upper_bound, select_blocks, sparse_decode_attention,
                           sparse_decode_attention_ref)
 
-    bs, budget = 16, ctx.sizes["sparse"]["budget"]
+    bs = 16
 
-    def point(H, H_KV, D, B, S, dtype, timed, lens_list=None, n_sel=None):
+    def point(H, H_KV, D, B, S, dtype, timed, budgets, lens_list=None):
         kernels = ctx.gpu or not timed
-        n_sel = n_sel or budget // bs
+        nb = -(-S // bs)
 
         def build():
             q, k, v, lens = _kv(ctx, B, H, H_KV, S, D, dtype)
             if lens_list is not None:
                 lens = torch.tensor(lens_list, dtype=torch.int32, device=ctx.device)
-            kmin, kmax = block_summaries(k, lens, bs)
-            select = lambda: select_blocks(block_upper_bound(q, kmin, kmax), lens, bs, n_sel)  # noqa: E731
-            sel = select()  # (B, H, n_sel)
+            kmin, kmax = block_summaries(k, lens, bs)  # (B, H_KV, nb, D)
             gen = torch.Generator(device=ctx.device).manual_seed(0)
-            perm = torch.randperm(B * (S // bs), device=ctx.device, generator=gen)
-            kb, vb, tables = _to_blocks(k, bs, perm), _to_blocks(v, bs, perm), perm.view(B, S // bs).to(torch.int32)
-            full = _kv_bytes(B, H_KV, S, D, k.element_size()) + 2 * q.nbytes
-            rows = int(((sel >= 0).sum()).item()) * bs  # selected rows, summed over sequences and query heads
-            read = 2 * rows * D * k.element_size() + sel.nbytes + 2 * q.nbytes
-            summaries = kmin.nbytes + kmax.nbytes + q.nbytes
-            dec = decode_attention if kernels else decode_attention_ref
-            sp = sparse_decode_attention if kernels else sparse_decode_attention_ref
-            suffix = "" if kernels else " (ref)"
-            return {
-                f"{_dt(dtype)} decode, all S{suffix}": Kernel(lambda: dec(q, k, v, lens), kernels, full),
-                f"sparse decode, {n_sel} blocks{suffix}": Kernel(
-                    lambda: sp(q, k, v, sel, lens, block_size=bs), kernels, read, expected="expected: sparse"),
-                f"sparse decode paged, {n_sel} blocks{suffix}": Kernel(
-                    lambda: sp(q, kb, vb, sel, lens, block_tables=tables), kernels, read + tables.nbytes,
-                    expected="expected: sparse"),
-                "select blocks (bound + top)": Kernel(select, False, summaries, compare=False),
-                # expected values only (computed once, not timed), from the reference
-                "expected: sparse": Kernel(lambda: sparse_decode_attention_ref(q, k, v, sel, lens, block_size=bs),
-                                           False, None),
-            }
+            perm = torch.randperm(B * nb, device=ctx.device, generator=gen)
+            kb, vb, tables = _to_blocks(k, bs, perm), _to_blocks(v, bs, perm), perm.view(B, nb).to(torch.int32)
+            row = H_KV * D * k.element_size()  # one position's K (or V), all K/V heads
+            full = 2 * int(lens.sum()) * row + 2 * q.nbytes
+            fill = (lens.long()[:, None] - torch.arange(nb, device=ctx.device) * bs).clamp(0, bs)  # (B, nb) rows
+
+            def rows_read(sel):  # distinct rows per K/V head: the union of its query heads' selected blocks
+                chosen = torch.zeros(B, H, nb + 1, dtype=torch.bool, device=ctx.device)
+                chosen.scatter_(-1, sel.masked_fill(sel < 0, nb), True)  # -1 padding: the spare column
+                union = chosen[..., :nb].view(B, H_KV, H // H_KV, nb).any(2)  # (B, H_KV, nb)
+                return int((union * fill[:, None]).sum())
+
+            dec, pdec, sp = ((decode_attention, paged_decode_attention, sparse_decode_attention) if kernels else
+                             (decode_attention_ref, paged_decode_attention_ref, sparse_decode_attention_ref))
+            sfx = "" if kernels else " (ref)"
+            ks = {"decode_attention_ref": Kernel(lambda: decode_attention_ref(q, k, v, lens), False, full)} \
+                if not timed else {}  # the interpreter's point: the dense kernels checked against the reference too
+            ks[f"{_dt(dtype)} decode, all S{sfx}"] = Kernel(lambda: dec(q, k, v, lens), kernels, full)
+            ks[f"paged decode, all S{sfx}"] = Kernel(lambda: pdec(q, kb, vb, tables, lens), kernels,
+                                                     full + tables.nbytes)
+            for n in (budget // bs for budget in budgets):
+                select = lambda n=n: select_blocks(block_upper_bound(q, kmin, kmax), lens, bs, n)  # noqa: E731
+                sel = select()  # (B, H, n_sel) logical block ids, -1 padding
+                read = 2 * rows_read(sel) * D * k.element_size() + sel.nbytes + 2 * q.nbytes
+                ks[f"select {n} blocks (bound + top)"] = Kernel(select, False, kmin.nbytes + kmax.nbytes + q.nbytes
+                                                                 + sel.nbytes, compare=False)
+                ks[f"sparse decode, {n} blocks{sfx}"] = Kernel(
+                    lambda sel=sel: sp(q, k, v, sel, lens, block_size=bs), kernels, read, expected=f"expected: {n}")
+                ks[f"sparse decode paged, {n} blocks{sfx}"] = Kernel(
+                    lambda sel=sel: sp(q, kb, vb, sel, lens, block_tables=tables), kernels, read + tables.nbytes,
+                    expected=f"expected: {n}")
+                ks[f"expected: {n}"] = Kernel(  # an expected value only (computed once, not timed)
+                    lambda sel=sel: sparse_decode_attention_ref(q, k, v, sel, lens, block_size=bs), False, None)
+            return ks
 
         kvb = _kv_bytes(B, H_KV, S, D, torch.empty((), dtype=dtype).element_size())
         return Point("sparse", {"B": B, "H": H, "H_KV": H_KV, "S": S, "T": 1, "D": D, "dtype": _dt(dtype),
                                 "block_size": bs}, build, curve=("sparse", H, H_KV, D, B, timed),
-                     headline=kvb >= HEADLINE_KV_BYTES, need_bytes=int(kvb * 2.2), timed=timed)
+                     headline=kvb >= HEADLINE_KV_BYTES, need_bytes=int(kvb * 3), timed=timed)
 
     for H, H_KV, D, B, S in _shapes(ctx, "sparse"):
-        yield point(H, H_KV, D, B, S, ctx.dtype, True)
-    if not ctx.gpu:  # ragged lengths (partly filled last blocks), 4 query heads per K/V head, 5 blocks each
-        yield point(8, 2, 64, 2, 304, ctx.check_dtype, False, lens_list=[300, 237], n_sel=5)
+        yield point(H, H_KV, D, B, S, ctx.dtype, True, ctx.sizes["sparse"]["budgets"])
+    if not ctx.gpu:  # S not a multiple of 16, partly filled last blocks, a sequence shorter than the budget (-1
+        # padding), 1, 2, 4 and 8 query heads per K/V head, a head dim not a power of two, fp16 and fp32
+        yield point(4, 4, 32, 2, 100, torch.float32, False, [48], lens_list=[100, 20])
+        yield point(4, 2, 40, 1, 77, torch.float32, False, [32])
+        yield point(8, 2, 64, 2, 300, ctx.check_dtype, False, [80], lens_list=[300, 237])
+        yield point(8, 1, 64, 1, 200, ctx.check_dtype, False, [64], lens_list=[181])
 
 
 # --------------------------------------------------------------------------------------------
