@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 
 # The longest notebooks first: pytest-xdist (--dist loadscope) hands out whole notebooks in collection
 # order, so the one that takes longest must start at once or the run waits for it at the end.
-LONGEST_FIRST = ["notebooks/09_keeping_less.ipynb", "notebooks/07_gqa.ipynb", "notebooks/08_serving.ipynb",
+LONGEST_FIRST = ["notebooks/09_keeping_less.ipynb", "notebooks/11_beyond.ipynb", "notebooks/07_gqa.ipynb",
+                 "notebooks/08_serving.ipynb",
                  "notebooks/10_http_serving.ipynb",
                  "notebooks/03_kv_cache.ipynb"]
 

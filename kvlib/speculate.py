@@ -291,9 +291,24 @@ class SpeculativeResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted drafts over drafted tokens (nan when nothing was drafted)."""
+        """Accepted drafts over drafted tokens (nan when nothing was drafted). Drafts after a step's first
+        rejection are never checked and count as not accepted, so this share falls as k grows even when
+        each checked draft is as likely to pass; ``alpha`` is the per-draft rate."""
         n = sum(self.drafted)
         return sum(self.accepted) / n if n else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """The chance that a checked draft is accepted: accepted / (accepted + rejections), a rejection being
+        a step that accepted fewer drafts than it drafted. This is Leviathan et al.'s alpha (section 3.1), for
+        which k independent drafts give (1 - alpha^(k+1)) / (1 - alpha) tokens per forward.
+
+        >>> SpeculativeResult(drafted=[4, 4, 2], accepted=[4, 1, 0]).alpha  # 5 accepted, 2 rejected
+        0.7142857142857143
+        """
+        accepted = sum(self.accepted)
+        checked = accepted + sum(a < d for a, d in zip(self.accepted, self.drafted))
+        return accepted / checked if checked else float("nan")
 
     @property
     def tokens_per_forward(self) -> float:

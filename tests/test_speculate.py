@@ -438,3 +438,10 @@ def test_sampled_speculation_runs_and_validates():
         speculative_generate(model, [1, 2], 4, cache=type("NoTruncate", (), dict(
             reset=lambda *a: None, prefill_view=None, decode_view=None, next_positions=None))())
     assert PromptLookupDrafter().propose([1, 2, 1], 2) == ([2, 1], None)
+
+
+def test_alpha_counts_only_the_drafts_that_were_checked():
+    res = spec.SpeculativeResult(drafted=[8, 8, 3, 0], accepted=[8, 2, 0, 0])
+    assert res.acceptance_rate == 10 / 19  # drafts after a rejection count as not accepted
+    assert res.alpha == 10 / 12  # 10 accepted, 2 rejections (steps 2 and 3); the empty step checks nothing
+    assert spec.SpeculativeResult().alpha != spec.SpeculativeResult().alpha  # nan: nothing drafted
