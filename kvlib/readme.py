@@ -141,9 +141,8 @@ ROWS = [
         "Quest vs SnapKV at the same bytes read", "11_beyond.ipynb",
         r"Quest with 64 tokens read (?P<r1>\d+%) / (?P<r2>\d+%) of the full cache per step \(perplexity / passkey\) "
         r"and kept (?P<k>\d+%): perplexity (?P<p>[\d.]+) \(full (?P<f>[\d.]+)\), passkey (?P<a>\d+%) with the question in "
-        r"the prompt and (?P<b>\d+%) with the question after the text was cached \((?P<d>\d+%) with the question's call "
-        r"dense, Quest's rule; SnapKV at the same bytes read: (?P<sa>\d+%) and (?P<sb>\d+%)\)",
-        "{r1} / {r2} read, {k} kept; perplexity {p} ({f}); {a} / {b} ({d} with Quest's dense question call) vs {sa} / {sb}"),
+        r"the prompt and (?P<b>\d+%) with the question after the text was cached \(SnapKV at the same bytes read: "
+        r"(?P<sa>\d+%) and (?P<sb>\d+%)\)", "{r1} / {r2} read, {k} kept; perplexity {p} ({f}); {a} / {b} vs {sa} / {sb}"),
     Row("the same model with a 5:1 window/full layer plan applied after training, W = 512: K/V kept at 1,023 tokens, "
         "perplexity, passkey", "11_beyond.ipynb",
         r"a 5:1 window plan with W = 512 kept (?P<k>\d+%) of SmolLM2's cache at \d+ tokens, at perplexity (?P<p>[\d.]+) "
