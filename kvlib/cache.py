@@ -202,7 +202,7 @@ def _merge_splits_kernel(
 
 def _decode_tile_n(TILE_D: int, element_size: int = 2) -> int:
     """Cached positions per inner step on a GPU: 64 rows of 128 fp16/bf16 values (16 KB per K or V tile), 16
-    of fp32 (8 KB). Built as the JIT builds them (``python -m kvlib.compile_check --module cache``), 64 fp16
+    of fp32 (8 KB). Built as the JIT builds them (``python -m kvlib.course.compile_check --module cache``), 64 fp16
     rows take 87 warp instructions per KB of K/V on sm_90 against 97.5 for 32 rows, with 95 registers and
     no spill on sm_75/80/90; 32 fp32 rows spill on sm_80."""
     budget = 16384 if element_size <= 2 else 8192
@@ -620,7 +620,7 @@ class KVCache:
         may rewrite what was stored (LayerQuantCache quantizes the key groups the call completed)."""
 
 
-# How kvlib.compile_check builds these kernels: the wrappers' own launches at a realistic shape (32 query
+# How kvlib.course.compile_check builds these kernels: the wrappers' own launches at a realistic shape (32 query
 # heads over 8 K/V heads, D = 128, a 1024-position cache holding two ragged sequences), with the tiles the
 # wrappers pick for each GPU.
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

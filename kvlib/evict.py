@@ -1101,7 +1101,7 @@ class _WindowBatch(_PagedBatch):
         return out
 
 
-# How kvlib.compile_check builds the index decode kernel: the wrapper's launch for 32 query heads over 8 K/V
+# How kvlib.course.compile_check builds the index decode kernel: the wrapper's launch for 32 query heads over 8 K/V
 # heads, D = 128, fp16, 1024 slots of which 600 / 317 are held, with and without the probabilities.
 def _compile_launch(probs: bool):
     g = torch.Generator().manual_seed(0)

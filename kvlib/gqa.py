@@ -197,7 +197,7 @@ def _grouped_config(TILE_D: int, GROUP: int, kv_size: int, tensor_cores: bool, i
     """(TILE_N, num_warps, num_stages) of _grouped_decode_kernel for a padded head dim TILE_D, GROUP query
     rows and K/V elements of kv_size bytes (1: int8).
 
-    Chosen with ``python -m kvlib.compile_check --module gqa paged quant`` (Triton 3.9; 32/8 heads, D = 128):
+    Chosen with ``python -m kvlib.course.compile_check --module gqa paged quant`` (Triton 3.9; 32/8 heads, D = 128):
     nothing spills, and among those the fewest SASS instructions in the main loop per KB of K/V it reads.
 
     - Tensor cores (fp16/bf16 on sm_80 and sm_90): 64 positions, 4 warps, 2 stages: 96 / 128 registers,
@@ -353,7 +353,7 @@ def finetune(model, train_ids: torch.Tensor, steps: int = 60, batch: int = 8, se
 
 
 # --------------------------------------------------------------------------------------------
-# How kvlib.compile_check builds the kernel (kvlib.paged and kvlib.quant use these helpers too)
+# How kvlib.course.compile_check builds the kernel (kvlib.paged and kvlib.quant use these helpers too)
 # --------------------------------------------------------------------------------------------
 
 

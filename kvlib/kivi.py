@@ -729,7 +729,7 @@ class SnapKiviCache(KiviCache):
         return out
 
 
-# How kvlib.compile_check builds the decode kernel: the wrapper's launch for 32 query heads over 8 K/V heads,
+# How kvlib.course.compile_check builds the decode kernel: the wrapper's launch for 32 query heads over 8 K/V heads,
 # D = 128, fp16 queries, windows and scales, KIVI's group of 32 tokens and value groups of 32 channels,
 # residual 128, two sequences (1024 and 517 positions) as KiviCache lays them out, 2-bit and 4-bit codes.
 def _compile_launch(bits: int, group: int = 32, v_group: int = 32, R: int = 128):

@@ -909,7 +909,7 @@ class RaggedBatch:
 
 
 # --------------------------------------------------------------------------------------------
-# How kvlib.compile_check builds the kernels: the wrappers' own launches at a realistic shape
+# How kvlib.course.compile_check builds the kernels: the wrappers' own launches at a realistic shape
 # --------------------------------------------------------------------------------------------
 
 

@@ -373,7 +373,7 @@ def quality_report(model, ids, n_tokens: int = 200) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# How kvlib.compile_check builds the kernels: the wrappers' own launches at a realistic shape
+# How kvlib.course.compile_check builds the kernels: the wrappers' own launches at a realistic shape
 # --------------------------------------------------------------------------------------------
 
 

@@ -272,7 +272,7 @@ def _ragged_config(TILE_D: int, n_rep: int, longest_q: int, tensor_cores: bool, 
       D <= 128 32 x 16, with 8 warps (23.1-23.6), as 4 spill 336 B in fp32 on sm_90. D = 256: 64 x 32 x 8
       warps x 3 stages on tensor cores, 16 x 16 x 4 warps on FMA units.
 
-    Measured with ``python -m kvlib.compile_check --module ragged`` (Triton 3.9; 32/8 heads and block size 16
+    Measured with ``python -m kvlib.course.compile_check --module ragged`` (Triton 3.9; 32/8 heads and block size 16
     unless said): nothing spills in any of COMPILE_SPECS. A decode in a batch with a prefill chunk runs in
     a prefill tile: its padded rows are wasted products, but on paper the loop still issues fast enough to
     stream K/V at the datasheet bandwidth (162 / 103 instructions per KB on sm_80 / sm_90).
@@ -347,7 +347,7 @@ def ragged_paged_attention(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, se
 
 
 # --------------------------------------------------------------------------------------------
-# How kvlib.compile_check builds the kernel: the wrapper's own launches at realistic shapes
+# How kvlib.course.compile_check builds the kernel: the wrapper's own launches at realistic shapes
 # --------------------------------------------------------------------------------------------
 
 

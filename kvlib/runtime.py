@@ -84,13 +84,13 @@ def mode() -> str:
     return "interpreter" if INTERPRETER else "gpu"
 
 
-# The compute capability kvlib.compile_check is building for (it calls the wrappers on CPU tensors, so that
+# The compute capability kvlib.course.compile_check is building for (it calls the wrappers on CPU tensors, so that
 # they pick the tiles they would pick on that GPU); None everywhere else.
 COMPILE_TARGET: tuple[int, int] | None = None
 
 
 def capability(device=None) -> tuple[int, int] | None:
-    """The (major, minor) compute capability the kernels are built for: ``kvlib.compile_check``'s target
+    """The (major, minor) compute capability the kernels are built for: ``kvlib.course.compile_check``'s target
     while it builds, else the CUDA device's; None for a CPU device (the interpreter)."""
     if COMPILE_TARGET is not None:
         return COMPILE_TARGET

@@ -595,7 +595,7 @@ class QuestCache(KVCache):
 
 
 # --------------------------------------------------------------------------------------------
-# How kvlib.compile_check builds the kernel: the wrapper's launches at a realistic shape
+# How kvlib.course.compile_check builds the kernel: the wrapper's launches at a realistic shape
 # --------------------------------------------------------------------------------------------
 
 

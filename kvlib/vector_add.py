@@ -79,11 +79,11 @@ def add(x: torch.Tensor, y: torch.Tensor, tile: int = 1024) -> torch.Tensor:
 
 
 def _compile_launch():
-    """The launch ``kvlib.compile_check`` builds: add() on two 1 MiB fp32 CPU vectors (a multiple of 16
+    """The launch ``kvlib.course.compile_check`` builds: add() on two 1 MiB fp32 CPU vectors (a multiple of 16
     elements, as the JIT sees real buffers). compile_check records the launch instead of running it."""
     x = torch.empty(1 << 18)
     return add(x, x)
 
 
-# What kvlib.compile_check (and tests/test_compile.py) builds for sm_75, sm_80 and sm_90.
+# What kvlib.course.compile_check (and tests/test_compile.py) builds for sm_75, sm_80 and sm_90.
 COMPILE_SPECS = [dict(name="add fp32", launch=_compile_launch)]

@@ -64,12 +64,12 @@ for pair in $MATRIX; do
 
   t0=$(date +%s)
   if [[ $tri == 3.2.* ]]; then  # the compile check builds with the JIT's binder, which Triton 3.2 lacks
-    echo "   compile check: not run (kvlib.compile_check builds through the JIT internals of Triton 3.6 and later)"
+    echo "   compile check: not run (kvlib.course.compile_check builds through the JIT internals of Triton 3.6 and later)"
     echo "| $tri | $np_v | $torch_v | $tests | $tests_s | needs Triton >= 3.6 | - |" >> "$table"
     [ "$tests_rc" -eq 0 ] || failed=1
     continue
   fi
-  TRITON_INTERPRET=0 "$venv/bin/python" -m kvlib.compile_check --json > "$log.compile.json" 2> "$log.compile.log"
+  TRITON_INTERPRET=0 "$venv/bin/python" -m kvlib.course.compile_check --json > "$log.compile.json" 2> "$log.compile.log"
   compile_s=$(( $(date +%s) - t0 ))
   # Passes when every kernel builds and fits in shared memory; spills (which tests/test_compile.py forbids
   # on the pinned Triton) are listed, since another Triton version allocates registers differently.

@@ -1,4 +1,4 @@
-"""The labs' checkers (kvlib.check) and their diagnoses of known mistakes (kvlib.mistakes).
+"""The labs' checkers (kvlib.course.check) and their diagnoses of known mistakes (kvlib.course.mistakes).
 
 Each lab exercise's typical wrong answers are written here the way a learner would write them, run
 on the inputs of the lab's own check, and the report must name the mistake.
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import kvlib  # noqa: F401  (sets the mode before Triton is imported)
-from kvlib import mistakes
+from kvlib.course import mistakes
 from kvlib.cache import decode_attention_ref, store_kv_ref
-from kvlib.check import CheckFailed, check, check_lines, check_rows, check_tokens
+from kvlib.course.check import CheckFailed, check, check_lines, check_rows, check_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -655,8 +655,8 @@ def lab08():
 
 def test_lab08_reference_rules_are_the_engines(lab08):
     adm, pre = lab08["adm_trace"], lab08["pre_trace"]
-    assert all(mistakes._admit(s) == s["admitted"] for s in adm)
-    assert all(mistakes._preempt(s) == s["preempted"] for s in pre)
+    assert all(mistakes.lab08._admit(s) == s["admitted"] for s in adm)
+    assert all(mistakes.lab08._preempt(s) == s["preempted"] for s in pre)
     # the traces hold the cases the diagnoses need
     assert any(not s["running_needs"] and s["admitted"] for s in adm)  # an idle engine admits a big request
     assert any(c for s in adm for _, c in s["waiting"])  # cached prefixes
@@ -1315,8 +1315,8 @@ def test_lab10_every_variant_is_named_as_itself_and_only_itself(lab10):
                 problems.append((what, found))
     assert not problems, problems
     # the right readers give the references (the mistakes' own switches, all off)
-    assert mistakes.sse_transcript(mistakes._read_sse, sse) == mistakes.sse_reference(sse)
-    assert mistakes.collect_transcript(mistakes._collect, coll) == mistakes.collect_reference(coll)
+    assert mistakes.sse_transcript(mistakes.lab10._read_sse, sse) == mistakes.sse_reference(sse)
+    assert mistakes.collect_transcript(mistakes.lab10._collect, coll) == mistakes.collect_reference(coll)
 
 
 def test_lab10_the_server_check_catches_a_request_left_running(lab10):
@@ -1446,9 +1446,9 @@ def test_lab11_the_lab_cache_with_the_right_rollback_is_the_courses(lab11):
                 try:
                     if call[0] == "prompt":
                         cached = cache.add_sequence(call[1], call[2])
-                        mistakes._append(cache, call[1], call[2][cached:])
+                        mistakes.lab11._append(cache, call[1], call[2][cached:])
                     elif call[0] == "append":
-                        mistakes._append(cache, call[1], call[2])
+                        mistakes.lab11._append(cache, call[1], call[2])
                     elif call[0] == "truncate":
                         cache.truncate(call[1], call[2])
                     elif call[0] == "fork":
@@ -1557,7 +1557,7 @@ def test_lab11_accept_mistakes(lab11, mistake, words):
     ref = mistakes.accept_transcript(speculative_accept, cases, seeds)
     assert check_lines(mistakes.accept_transcript(lab11["speculative_accept"], cases, seeds), ref)
     assert check_lines(mistakes.accept_transcript(_learner_accept(), cases, seeds), ref)
-    assert check_lines(mistakes.accept_transcript(mistakes._accept, cases, seeds), ref)
+    assert check_lines(mistakes.accept_transcript(mistakes.lab11._accept, cases, seeds), ref)
     mine = mistakes.accept_transcript(_learner_accept(mistake), cases, seeds)
     diagnosed(lambda: check_lines(mine, ref, mistakes=mistakes.speculative_accept(cases, seeds)), words)
 
@@ -1610,7 +1610,7 @@ def test_lab11_the_distribution_test_fails_the_wrong_rules():
     def distance(**mistake):
         gen, counts = torch.Generator().manual_seed(2), torch.zeros(5)
         for x in drafts:
-            a, nxt = mistakes._accept(p, q, [x], gen, **mistake)
+            a, nxt = mistakes.lab11._accept(p, q, [x], gen, **mistake)
             counts[x if a == 1 else nxt] += 1
         return 0.5 * (counts / n - p0).abs().sum().item()
 

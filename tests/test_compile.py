@@ -24,7 +24,7 @@ ENV = dict(os.environ, TRITON_INTERPRET="0", KVLIB_DEVICE="cpu")
 
 @pytest.fixture(scope="module")
 def compiled():
-    out = subprocess.run([sys.executable, "-m", "kvlib.compile_check", "--json", "--arch", "75", "80", "90"],
+    out = subprocess.run([sys.executable, "-m", "kvlib.course.compile_check", "--json", "--arch", "75", "80", "90"],
                          capture_output=True, text=True, env=ENV, timeout=1200, cwd=ROOT)
     assert out.stdout.strip(), f"compile_check printed nothing; stderr:\n{out.stderr[-3000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,7 +113,7 @@ def test_the_detectors_flag_32_bit_offsets_and_find_the_loop(tmp_path):
     (tmp_path / "samples.py").write_text(SAMPLES)
     script = textwrap.dedent('''
         import json, torch, samples
-        from kvlib import compile_check as cc
+        from kvlib.course import compile_check as cc
         x, o = torch.zeros(4, 64), torch.zeros(4, 64)
         out = {}
         slots = torch.zeros(8, dtype=torch.int32)
@@ -146,12 +146,12 @@ def test_committed_predictions_are_current(compiled):
     """docs/results/predicted.md is generated from these builds; regenerate it when a kernel changes."""
     import triton
 
-    from kvlib.compile_check import predicted_markdown
+    from kvlib.course.compile_check import predicted_markdown
 
     path = ROOT / "docs" / "results" / "predicted.md"
     committed = path.read_text(encoding="utf-8")
     if f"Triton {triton.__version__}" not in committed:
         pytest.skip(f"predicted.md was generated with another Triton than {triton.__version__}")
     assert predicted_markdown(compiled) == committed, (
-        "docs/results/predicted.md is stale: run TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compile_check "
+        "docs/results/predicted.md is stale: run TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.course.compile_check "
         "--predicted docs/results/predicted.md")

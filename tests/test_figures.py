@@ -1,4 +1,4 @@
-"""kvlib.figures: the readability check every figure of the course passes (the test command sets
+"""kvlib.course.figures: the readability check every figure of the course passes (the test command sets
 KVLIB_CHECK_FIGURES=1, so each figure a notebook shows is checked in the cell that draws it)."""
 
 import matplotlib
@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from kvlib import figures  # noqa: E402
+from kvlib.course import figures  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Tests for the labs system (kvlib.labs) and the learners' checker (kvlib.check)."""
+"""Tests for the labs system (kvlib.course.labs) and the learners' checker (kvlib.course.check)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from kvlib import labs
-from kvlib.check import check, check_fn
-from kvlib.labs import Hints, LabEditedError, generate, lab_is_current, render_lab
+from kvlib.course import labs
+from kvlib.course.check import check, check_fn
+from kvlib.course.labs import Hints, LabEditedError, generate, lab_is_current, render_lab
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -538,7 +538,7 @@ STUB = re.compile(r"# TODO: your code here \(about (\d+) lines?\)")
 
 
 def _solution_regions(cell_source: str) -> list[int]:
-    """Lines a learner writes in each BEGIN/END SOLUTION region of a cell, counted as kvlib.labs counts them."""
+    """Lines a learner writes in each BEGIN/END SOLUTION region of a cell, counted as kvlib.course.labs counts them."""
     counts, region = [], None
     for line in cell_source.split("\n"):
         if labs._BEGIN.match(line):
@@ -555,7 +555,7 @@ def _solution_regions(cell_source: str) -> list[int]:
 def test_headings_stubs_and_solutions_give_the_same_line_counts(name):
     """Issues 21 and 24: an exercise's heading says "(about 4 lines)", "(2 lines)" or "(about 1 + 7 lines)"
     (or "(five short method bodies)"); its stubs, in order, say the same counts, and each stub's count is the
-    solution's (its non-blank, non-comment lines between the markers: the rule kvlib.labs uses)."""
+    solution's (its non-blank, non-comment lines between the markers: the rule kvlib.course.labs uses)."""
     lab = load(REPO / "labs" / name)
     solution = load(REPO / "solutions" / name)
     sol_counts = [n for c in solution.cells if c.cell_type == "code" for n in _solution_regions(c.source)]

@@ -4,7 +4,7 @@
   no TODO in the chapters or the solutions (the labs' stubs keep their own marker);
 - every hand-drawn %-of-bandwidth plot in a notebook draws its 100% line (the harness's own plots are
   tested in test_bench_sweeps.py);
-- the README's results table is what the notebooks' committed outputs say (``python -m kvlib.readme``);
+- the README's results table is what the notebooks' committed outputs say (``python -m kvlib.course.readme``);
 - words written for the people who maintain the course (the test tools, test ids, "session", the GPU
   script, "whoever maintains") appear neither in what learners read (chapters, labs, solutions, their
   printed outputs, the README outside its maintainers' section) nor in the messages kvlib prints;
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlib import readme
+from kvlib.course import readme
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -114,7 +114,7 @@ def test_percent_of_bandwidth_plots_draw_their_100_percent_line(nb):
 
 def test_readme_results_table_matches_the_notebooks():
     text = (ROOT / "README.md").read_text()
-    assert readme.render(text) == text, "the README's results table is stale: run `python -m kvlib.readme`"
+    assert readme.render(text) == text, "the README's results table is stale: run `python -m kvlib.course.readme`"
 
 
 def test_readme_generator_fails_loudly_on_a_reworded_output(tmp_path):

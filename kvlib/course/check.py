@@ -2,7 +2,7 @@
 
 Used in the labs::
 
-    from kvlib.check import check, check_fn, check_lines, check_rows, check_tokens
+    from kvlib.course.check import check, check_fn, check_lines, check_rows, check_tokens
 
     check(my_scores, reference_scores, name="scores")          # prints a report, True if it passes
     check_fn(my_attention, reference_attention, q, k, v)       # calls both on the same inputs

@@ -25,7 +25,7 @@ never faster. ``--predicted FILE`` writes these ceilings next to the course's GP
 
 Run it in a process where Triton is *not* in interpreter mode::
 
-    TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compile_check [--arch 75 80 90] [--module cache gqa]
+    TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.course.compile_check [--arch 75 80 90] [--module cache gqa]
 
 ``tests/test_compile.py`` does exactly that in a subprocess and fails on any error, spill or 32-bit
 stride product. It uses the JIT's own internals (``create_function_from_signature``,
@@ -89,7 +89,7 @@ def kernel_modules(only=None):
             continue
         source = Path(kvlib.__path__[0], f"{info.name}.py")
         if source.is_file() and "@triton.jit" not in source.read_text(encoding="utf-8"):
-            continue  # no kernels: don't import it (kvlib.labs needs nbformat, absent on bare GPU images)
+            continue  # no kernels: don't import it (kvlib.course.labs needs nbformat, absent on bare GPU images)
         mod = importlib.import_module(f"kvlib.{info.name}")
         kernels = {n: obj for n, obj in vars(mod).items()
                    if isinstance(obj, triton.runtime.jit.JITFunction) and obj.__module__ == mod.__name__}
@@ -108,7 +108,7 @@ def recording(arch: int):
     a GPU of compute capability ``arch`` (tensors stay on the CPU)."""
     from triton.runtime.jit import JITFunction
 
-    from . import runtime
+    from .. import runtime
 
     launches = []
 
@@ -394,7 +394,7 @@ def compile_all(archs=DEFAULT_ARCHS, only=None) -> list[dict]:
         for spec in getattr(mod, "COMPILE_SPECS", []):
             if not callable(spec.get("launch")) or "name" not in spec:
                 rows.append(dict(module=mod.__name__, spec=spec.get("name"), kernel=None, arch=None, ok=False,
-                                 error="a COMPILE_SPECS entry needs a name and a launch (see kvlib.compile_check)"))
+                                 error="a COMPILE_SPECS entry needs a name and a launch (see kvlib.course.compile_check)"))
                 continue
             for arch in archs:
                 if arch not in spec.get("archs", DEFAULT_ARCHS):
@@ -461,7 +461,7 @@ def _loop_text(row) -> str:
 # docs/results/predicted.md
 # --------------------------------------------------------------------------------------------
 
-PREDICTED_COMMAND = ("TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.compile_check "
+PREDICTED_COMMAND = ("TRITON_INTERPRET=0 KVLIB_DEVICE=cpu python -m kvlib.course.compile_check "
                      "--predicted docs/results/predicted.md")
 
 

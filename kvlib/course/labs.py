@@ -5,7 +5,7 @@ How it works, for a teacher
 ``solutions/*.ipynb`` are the single source of truth: complete, runnable notebooks (the test
 suite executes them with nbval). Each ``labs/<name>.ipynb`` is generated from
 ``solutions/<name>.ipynb`` by cutting out the parts the learner should write. Never edit a lab by
-hand: edit the solution and run ``make labs`` (or ``python -m kvlib.labs``).
+hand: edit the solution and run ``make labs`` (or ``python -m kvlib.course.labs``).
 
 Mark an exercise inside a *code cell* with two comment lines::
 
@@ -62,9 +62,9 @@ learner has edited the lab and generation stops with :class:`LabEditedError` bef
 
 Command line (run from the repository root)::
 
-    python -m kvlib.labs            # (re)generate labs/, one line per file
-    python -m kvlib.labs --check    # exit 1 if a lab is missing or differs from a fresh generation
-    python -m kvlib.labs --force    # overwrite labs even if they were edited
+    python -m kvlib.course.labs            # (re)generate labs/, one line per file
+    python -m kvlib.course.labs --check    # exit 1 if a lab is missing or differs from a fresh generation
+    python -m kvlib.course.labs --force    # overwrite labs even if they were edited
 
 This module deliberately imports neither torch nor triton: it only moves text around.
 """
@@ -149,7 +149,7 @@ class LabEditedError(RuntimeError):
             "so regenerating would overwrite your work. Nothing was written.\n"
             "To keep your work: move it aside, out of the labs folder, e.g. "
             f"`mkdir -p my_work && mv {example} my_work/`, then run again.\n"
-            "To throw your edits away and overwrite deliberately: python -m kvlib.labs --force"
+            "To throw your edits away and overwrite deliberately: python -m kvlib.course.labs --force"
         )
 
 
@@ -433,7 +433,7 @@ def check_labs(solutions_dir="solutions", labs_dir="labs") -> list[tuple[str, Pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvlib.labs",
+        prog="python -m kvlib.course.labs",
         description="Generate labs/*.ipynb from solutions/*.ipynb (run from the repository root).",
     )
     parser.add_argument(

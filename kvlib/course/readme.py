@@ -3,8 +3,8 @@
 Every figure in that table is read from what a notebook printed when it was last executed (the
 outputs committed with it), so the README cannot drift from the notebooks::
 
-    python -m kvlib.readme            # rewrite the table between the README's markers
-    python -m kvlib.readme --check    # exit 1 if the README differs (tests/test_readme.py does this)
+    python -m kvlib.course.readme            # rewrite the table between the README's markers
+    python -m kvlib.course.readme --check    # exit 1 if the README differs (tests/test_readme.py does this)
 
 Each row names the notebook and a regular expression over that notebook's printed text; a pattern
 that no longer matches is an error naming the notebook, so rewording a printed sentence means
@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 START, END = "<!-- cpu-results:start -->", "<!-- cpu-results:end -->"
 
 
@@ -173,7 +173,7 @@ def table(root: Path = ROOT) -> str:
         m = re.search(row.pattern, texts[row.notebook], flags=re.S)
         if m is None:
             raise ValueError(f"notebooks/{row.notebook}: no printed output matches {row.pattern!r} "
-                             f"(row {row.what!r} in kvlib/readme.py)")
+                             f"(row {row.what!r} in kvlib/course/readme.py)")
         link = f"[notebook {row.notebook[:2]}](notebooks/{row.notebook})"
         lines.append(f"| {row.what} | {row.measured.format(**m.groupdict())} | {link} |")
     return "\n".join(lines)
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     new = render(old)
     if args.check:
         if new != old:
-            print("README.md's results table differs from the notebooks' outputs; run `python -m kvlib.readme`")
+            print("README.md's results table differs from the notebooks' outputs; run `python -m kvlib.course.readme`")
             return 1
         print("README.md's results table matches the notebooks' outputs")
         return 0
