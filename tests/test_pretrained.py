@@ -16,7 +16,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from kvlib import pretrained  # noqa: E402
+from kvlib import checkpoint, pretrained  # noqa: E402
 from kvlib.generate import generate, generate_naive  # noqa: E402
 from kvlib.memory import spec  # noqa: E402
 from kvlib.model import CheckpointError, ModelConfig, Transformer, load_gguf, load_pretrained  # noqa: E402
@@ -230,7 +230,7 @@ def test_processes_starting_together_convert_the_model_once(small_model, tmp_pat
         time.sleep(0.5)  # a download: the other caller arrives meanwhile
         return gguf_file
 
-    monkeypatch.setattr(pretrained, "gguf_path", slow_fetch)
+    monkeypatch.setattr(checkpoint, "gguf_path", slow_fetch)  # kvlib.checkpoint fetches; kvlib.model converts
     got, errors = [], []
 
     def load():
