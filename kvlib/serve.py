@@ -20,23 +20,53 @@ What you will learn:
   its blocks. The handler notices (the stream generator is cancelled, or ``request.is_disconnected()``)
   and sends ``abort``; the engine frees the blocks at once (full prefix blocks stay cached for reuse);
 - what makes a server survive its clients: every malformed body or out-of-range parameter is an HTTP 400
-  with an OpenAI-style error object, decided *before* anything reaches the engine; an exception inside
-  ``step()`` (the engine leaves every request as it was) is retried, and only when the same step fails
+  with an OpenAI-style error object whose ``code`` is set, decided *before* anything reaches the engine,
+  and no error body echoes Python's exception text (the log has it); an exception inside ``step()`` (the
+  engine leaves every request as it was) is retried, and only when the same step fails
   ``max_step_failures`` times in a row are the requests it scheduled failed with a 500. The loop never dies;
+- that the event loop must never wait on one request: parsing, the chat template and tokenization run in
+  a worker thread (as in vLLM and SGLang), a prompt whose *lower bound* on tokens (its bytes / the most
+  bytes one token covers) is already past the context is refused before it is encoded, and the
+  ``tokenizers`` encoder is called so that it releases the GIL (``kvlib.serve_limits``);
 - ``/metrics`` in the Prometheus text format, written by hand: running / waiting requests, KV blocks
   used / cached / total, prefix-cache hit rate, preemptions, finish reasons, TTFT and inter-token
   latency histograms.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. Extensions beyond OpenAI's fields (vLLM spells
-them the same way): ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the prompt's
-and the output's token ids in each choice, so a client can compare tokens, not text).
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. Extensions beyond OpenAI's
+fields (vLLM spells them the same way): ``top_k``, ``ignore_eos``, ``stop_token_ids`` (a list of token ids),
+``return_token_ids`` (the prompt's and the output's token ids in each choice, so a client can compare
+tokens, not text). ``max_completion_tokens`` is honoured on both endpoints (over ``max_tokens`` when both
+are set); chat roles are ``system``, ``user``, ``assistant`` and ``developer`` (given to the template as
+``system``, as OpenAI defines it).
 
 Not supported, refused with a 400 that says so: ``top_p`` other than 1 (the engine samples with
 temperature and top-k only), ``n`` / ``best_of`` other than 1, ``logprobs``, ``echo``, ``suffix``,
-penalties, ``logit_bias``, tools, a list of several prompts. Fields this server does not know at all are
-ignored with a warning in the log (logger ``kvlib.serve``), as vLLM does. Temperatures below 1e-5 are
-greedy (as in vLLM): dividing logits by a smaller number overflows to inf, and the step would fail.
+penalties, ``logit_bias``, tools (and the ``tool`` role), ``response_format`` other than text, a list of
+several prompts. Fields this server does not know at all are ignored with a warning in the log (logger
+``kvlib.serve``; the names escaped, at most 16 of them, each cut to 40 characters), as vLLM does.
+Temperatures below 1e-5 are greedy (as in vLLM): dividing logits by a smaller number overflows to inf, and
+the step would fail. ``seed`` lies in 0..2**63-1 (vLLM bounds it to int64 too).
+
+Limits (``Server(...)`` keywords, and the command line's options):
+
+- ``api_key`` (``--api-key``, or the environment variable ``KVLIB_API_KEY``, as vLLM's ``--api-key`` /
+  ``VLLM_API_KEY``): every request under ``/v1`` needs ``Authorization: Bearer <key>``, else 401;
+  ``/health`` and ``/metrics`` stay open, as in vLLM. Default: none (anyone who reaches the port may use it);
+- ``max_body_bytes`` (``--max-body-bytes``, default 4 MiB): a larger body is a 413, refused from its
+  ``Content-Length`` before it is read, or as soon as a chunked body passes the limit;
+- a body must say ``Content-Type: application/json`` (else 415): a web page can send a cross-origin
+  "simple" POST (``text/plain``, or no type) to a server on the learner's machine without asking first,
+  but not a JSON one;
+- ``max_waiting`` (``--max-waiting``, default 256): requests accepted but not yet admitted to the engine;
+  past it, a 503 with ``Retry-After: 1``. 503 rather than 429, because the server is busy for every client
+  (429 says *this* client sent too many), and uvicorn's own concurrency limit answers 503 too; the openai
+  client retries both;
+- ``max_connections`` (``--max-connections``, default 512): uvicorn's ``limit_concurrency``; a request on
+  a connection past it gets uvicorn's plain 503;
+- ``read_timeout`` (``--read-timeout``, default 10 s): a connection must send its request's headers within
+  this time of connecting (or of its previous response) and the body within this time of the headers, or
+  it is closed: half-open connections cannot pile up (uvicorn itself only closes idle keep-alive ones).
 
 From the command line (Ctrl+C stops it)::
 
@@ -55,23 +85,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
+import os
 import queue
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from . import serve_limits as limits
 from .cache import check_int
 from .engine import Engine
+from .serve_limits import INT64_MAX, APIError
 
 __all__ = ["Server", "TextStream", "APIError", "ServeMetrics", "main"]
 
@@ -80,56 +116,42 @@ log = logging.getLogger("kvlib.serve")
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 KNOWN_FIELDS = {  # read (or refused when set) by the handlers; anything else is logged and ignored
-    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "seed", "stream",
-    "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "ignore_eos", "stop_token_ids", "return_token_ids", "user"}
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stop", "seed",
+    "stream", "stream_options", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "ignore_eos", "stop_token_ids", "return_token_ids", "user",
+    "response_format"}
 COMPLETION_FIELDS = KNOWN_FIELDS | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = KNOWN_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "response_format"}
+CHAT_FIELDS = KNOWN_FIELDS | {"messages", "tools", "tool_choice"}
+# a chat role as sent -> as given to the template (OpenAI's "developer" messages are its newer system messages)
+CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
 
 
 # --------------------------------------------------------------------------------------------
-# Errors: OpenAI's error object
+# Errors: OpenAI's error object (APIError, in kvlib.serve_limits) and the checks of each field
 # --------------------------------------------------------------------------------------------
 
 
-class APIError(Exception):
-    """An HTTP error with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def _reject_constant(name):
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
-def _parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)  # NaN / Infinity are not JSON
-    except (ValueError, UnicodeDecodeError) as err:
-        raise APIError(f"the request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _int(body, name, default=None, minimum=None):
+def _int(body, name, default=None, minimum=None, maximum=None):
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise APIError(f"{name} must be an integer, got {v!r}", name)
+        raise APIError(f"{name} must be an integer, got {_short(v)}", name, code="invalid_type")
     if minimum is not None and v < minimum:
         raise APIError(f"{name} must be >= {minimum}, got {v}", name)
+    if maximum is not None and v > maximum:
+        raise APIError(f"{name} must be <= {maximum}, got {_short(v)}", name)
     return v
+
+
+def _short(v, width: int = 80) -> str:
+    """repr(v), at most ``width`` characters, without building the repr of a huge value."""
+    if isinstance(v, str):
+        return repr(v[:width]) + ("…" if len(v) > width else "")
+    if isinstance(v, (dict, list)):
+        return f"{'an object' if isinstance(v, dict) else 'a list'} of {len(v)}"
+    text = repr(v)
+    return text[:width] + ("…" if len(text) > width else "")
 
 
 def _number(body, name, default, lo, hi):
@@ -137,7 +159,7 @@ def _number(body, name, default, lo, hi):
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise APIError(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
+        raise APIError(f"{name} must be a number in [{lo}, {hi}], got {_short(v)}", name)
     return float(v)
 
 
@@ -146,14 +168,14 @@ def _bool(body, name, default=False):
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise APIError(f"{name} must be true or false, got {v!r}", name)
+        raise APIError(f"{name} must be true or false, got {_short(v)}", name, code="invalid_type")
     return v
 
 
 def _unsupported(body, name, allowed, why):
     """Refuse a field we cannot honor unless it has one of its harmless values."""
     if name in body and body[name] not in allowed:
-        raise APIError(f"{name}={body[name]!r} is not supported: {why}", name)
+        raise APIError(f"{name}={_short(body[name])} is not supported: {why}", name, code="unsupported_value")
 
 
 def _stop_strings(body) -> list[str]:
@@ -162,7 +184,7 @@ def _stop_strings(body) -> list[str]:
         return []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(f"stop must be a non-empty string or a list of them, got {body['stop']!r}", "stop")
+        raise APIError(f"stop must be a non-empty string or a list of them, got {_short(body['stop'])}", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     return stop
@@ -326,7 +348,7 @@ class ServeMetrics:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity (the server keeps a set of the waiting ones)
 class _Handle:
     """One HTTP request as the engine thread sees it. The handler reads only ``queue``."""
     loop: asyncio.AbstractEventLoop  # the web server's event loop
@@ -337,6 +359,7 @@ class _Handle:
     first_token: float | None = None
     last_token: float | None = None
     n_out: int = 0  # tokens delivered
+    admitted: bool = False  # set by the engine thread at the request's first admission (it no longer waits)
     done: bool = False
     check_at: float = 0.0  # handler side: when to ask next whether the client is still connected
 
@@ -411,15 +434,14 @@ class EngineLoop:
         if kind == "add":
             try:
                 h.rid = self.engine.add_request(**h.kwargs)
-            except (ValueError, TypeError) as err:  # what the handler's checks did not catch
+            except Exception as err:  # what the handler's checks did not catch: logged, never echoed
+                ref = _log_error("add_request refused a request the handler had checked", err)
                 h.done = True
-                h.post("error", APIError(str(err)))
-                return
-            except Exception as err:
-                log.exception("add_request failed")
-                h.done = True
-                h.post("error", APIError(f"add_request failed: {type(err).__name__}: {err}", status=500,
-                                         type="server_error"))
+                bad = isinstance(err, (ValueError, TypeError))
+                h.post("error", APIError(f"the engine refused this request's parameters (error {ref} in the server "
+                                         "log)" if bad else f"internal error (error {ref} in the server log)",
+                                         status=400 if bad else 500,
+                                         type="invalid_request_error" if bad else "server_error"))
                 return
             self.live[h.rid] = h
             h.post("added", h.rid)
@@ -445,6 +467,8 @@ class EngineLoop:
             m.steps += 1
             m.preemptions += len(ev["preempted"])
             for rid in ev["admitted"]:
+                if rid in live:
+                    live[rid].admitted = True
                 r = self.engine.requests.get(rid)  # None: already dropped from the engine's bounded log
                 if r is not None and r.preemptions == 0 and rid in live:  # first admission: what the prefix cache saved
                     m.prompt_tokens += len(r.prompt)
@@ -472,7 +496,8 @@ class EngineLoop:
                 h.done = True
                 with self.metrics.lock:
                     self.metrics.finished["error"] += 1
-                h.post("error", APIError(f"sampling failed for this request: {r.error if r is not None else '?'}",
+                ref = _log_error(f"sampling failed for request {rid}: {r.error if r is not None else '?'}")
+                h.post("error", APIError(f"sampling failed for this request (error {ref} in the server log)",
                                          status=500, type="server_error"))
             else:
                 self._ended(h, reason)
@@ -482,6 +507,7 @@ class EngineLoop:
         ev = self.engine.events[-1] if self.engine.events else {}
         ids = set(ev.get("scheduled") or ()) | set(ev.get("admitted") or ()) or set(self.live)
         self.failures = 0
+        ref = _log_error(f"the same step failed {self.max_step_failures} times: aborting requests {sorted(ids)}", err)
         for rid in ids:
             h = self.live.pop(rid, None)
             if h is None:
@@ -490,8 +516,8 @@ class EngineLoop:
             h.done = True
             with self.metrics.lock:
                 self.metrics.finished["error"] += 1
-            h.post("error", APIError(f"the engine failed {self.max_step_failures} steps in a row on this request "
-                                     f"({type(err).__name__}: {err}); it was aborted", status=500,
+            h.post("error", APIError(f"the engine failed {self.max_step_failures} steps in a row on this request; "
+                                     f"it was aborted (error {ref} in the server log)", status=500,
                                      type="server_error"))
 
     def _ended(self, h: _Handle, reason: str):
@@ -516,6 +542,14 @@ class EngineLoop:
         self.gauges = engine_gauges(self.engine)
 
 
+def _log_error(what: str, err: BaseException | None = None) -> str:
+    """Log ``what`` (with the exception's traceback) under a short reference, and return the reference: the
+    client's error body names it, the log holds what happened."""
+    ref = uuid.uuid4().hex[:12]
+    log.error("[error %s] %s", ref, what, exc_info=(type(err), err, err.__traceback__) if err is not None else None)
+    return ref
+
+
 def engine_gauges(engine: Engine) -> dict:
     """What /metrics shows of the engine's state (read in the engine thread, between steps)."""
     c = engine.cache
@@ -534,6 +568,35 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+@dataclass
+class _Prepared:
+    """A request checked and tokenized (in a worker thread): what the handler needs to run it."""
+    prompt: list[int]
+    kwargs: dict  # Engine.add_request's arguments
+    stream: bool
+    include_usage: bool
+    token_ids: bool
+
+
+def _guarded(handler):
+    """Run a route so that no exception leaves it: an APIError is its response; anything else is logged and
+    answered with a 500 that does not echo it. (An exception that reached Starlette's outermost middleware
+    would be answered, re-raised, and the keep-alive connection closed under the client's next request.)"""
+    @functools.wraps(handler)
+    async def run(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except APIError as err:
+            return err.response()
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=499)  # the client left while sending its body: nobody reads this
+        except Exception as err:
+            ref = _log_error("a handler failed", err)
+            return APIError(f"internal error (error {ref} in the server log)", status=500,
+                            type="server_error").response()
+    return run
+
+
 class Server:
     """An OpenAI-compatible HTTP server over one ``Engine`` (built here from ``engine_kw``).
 
@@ -542,15 +605,31 @@ class Server:
     does both; ``s.url`` is the base URL for ``openai.OpenAI(base_url=...)``. ``serve(host, port)``
     blocks in the calling thread (the command line). Engine defaults here: 1,024 events and finished
     requests kept (a server runs for days; the engine's own default keeps 100,000 of each).
+
+    The limits (see the module's docstring): ``api_key`` (None: no key needed), ``max_body_bytes``,
+    ``max_waiting`` (None: no bound), ``max_connections`` (None: no bound), ``read_timeout`` (seconds, None:
+    none), ``tokenizer_threads`` (the worker threads that parse and tokenize requests).
     """
 
     def __init__(self, model, tokenizer, model_name: str, *, num_blocks: int = 512, block_size: int = 16,
-                 max_step_failures: int = 3, **engine_kw):
+                 max_step_failures: int = 3, api_key: str | None = None,
+                 max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES, max_waiting: int | None = 256,
+                 max_connections: int | None = 512, read_timeout: float | None = 10.0, tokenizer_threads: int = 2,
+                 **engine_kw):
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
         if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
             raise TypeError(f"tokenizer must have encode(text) and decode(ids), got {type(tokenizer).__name__}")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key must be a non-empty string, or None for no key")
         max_step_failures = check_int("max_step_failures", max_step_failures)
+        self.max_body_bytes = check_int("max_body_bytes", max_body_bytes)
+        self.max_waiting = None if max_waiting is None else check_int("max_waiting", max_waiting)
+        self.max_connections = None if max_connections is None else check_int("max_connections", max_connections)
+        if read_timeout is not None and not (isinstance(read_timeout, (int, float)) and read_timeout > 0):
+            raise ValueError(f"read_timeout must be a positive number of seconds or None, got {read_timeout!r}")
+        self.read_timeout = read_timeout
+        self.tokenizer_threads = check_int("tokenizer_threads", tokenizer_threads)
         engine_kw.setdefault("max_events", 1024)
         engine_kw.setdefault("max_finished", 1024)
         self.engine = Engine(model, num_blocks, block_size, tokenizer=tokenizer, **engine_kw)
@@ -559,12 +638,16 @@ class Server:
         self.context, self.vocab_size = cfg.max_seq_len, cfg.vocab_size
         self.pool_positions = num_blocks * block_size
         self.eos_id = getattr(tokenizer, "eos_id", None)
+        self.token_bytes = limits.max_token_bytes(tokenizer)  # None: no cheap bound on a text's tokens
         self.metrics = ServeMetrics()
         self.max_step_failures = max_step_failures
         self.created = int(time.time())
         self.loop: EngineLoop | None = None
         self._uvicorn = self._thread = self._sock = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: set[_Handle] = set()  # handles submitted and not yet admitted (event loop thread only)
         self.port: int | None = None
+        self.api_key = api_key
         self.app = self._build_app()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -591,9 +674,16 @@ class Server:
         sock.listen(2048)  # accept from now on: a client that connects before uvicorn runs waits in the backlog
         self._sock, self.port = sock, sock.getsockname()[1]
         self._host_for_url = f"[{host}]" if family == socket.AF_INET6 else host
+        self._pool = ThreadPoolExecutor(self.tokenizer_threads, thread_name_prefix="kvlib-tokenize",
+                                        initializer=limits.lower_thread_priority)
+        self._queued = set()
         self.loop = EngineLoop(self.engine, self.metrics, self.max_step_failures)
         self.loop.start()
-        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+        http = limits.default_http_protocol()
+        if self.read_timeout is not None:
+            http = limits.timed_protocol(http, self.read_timeout)
+        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
+                                http=http, limit_concurrency=self.max_connections)
         self._uvicorn = uvicorn.Server(config)
 
     def start(self, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
@@ -615,7 +705,8 @@ class Server:
         """Serve in this thread until Ctrl+C (uvicorn handles the signal), then stop the engine loop."""
         self._prepare(host, port, log_level)
         print(f"kvlib.serve: {self.model_name!r} on {self.url} ({self.engine.config.num_blocks} blocks of "
-              f"{self.engine.config.block_size} positions); Ctrl+C stops", flush=True)
+              f"{self.engine.config.block_size} positions; API key {'required' if self.api_key else 'not set'}); "
+              "Ctrl+C stops", flush=True)
         try:
             self._uvicorn.run(sockets=[self._sock])
         finally:
@@ -634,7 +725,9 @@ class Server:
                 self._thread.join(timeout)
         if self._sock is not None:
             self._sock.close()
-        self.loop = self._uvicorn = self._thread = self._sock = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)  # a tokenization under way ends by itself
+        self.loop = self._uvicorn = self._thread = self._sock = self._pool = None
         self.port = None
 
     def __enter__(self):
@@ -649,6 +742,7 @@ class Server:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvlib.serve", docs_url=None, redoc_url=None)
+        app.add_middleware(limits.APIKeyGuard, api_key=self.api_key)
 
         @app.exception_handler(APIError)
         async def _api_error(request, err: APIError):
@@ -657,13 +751,14 @@ class Server:
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request, err):
             kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-            return APIError(f"{request.method} {request.url.path}: {err.detail}", status=err.status_code,
+            return APIError(f"{request.method} {request.url.path[:200]}: {err.detail}", status=err.status_code,
                             type=kind).response()
 
         @app.exception_handler(Exception)
-        async def _crash(request, err):
-            log.exception("handler failed")
-            return APIError(f"internal error: {type(err).__name__}: {err}", status=500, type="server_error").response()
+        async def _crash(request, err):  # the routes outside _guarded (their bodies cannot fail on input)
+            ref = _log_error("handler failed", err)
+            return APIError(f"internal error (error {ref} in the server log)", status=500,
+                            type="server_error").response()
 
         @app.get("/health")
         async def health():
@@ -672,8 +767,13 @@ class Server:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "kvlib", "max_model_len": self.context}]}
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str):
+            if model_id != self.model_name:
+                raise self._no_such_model(model_id)
+            return self._model_card()
 
         @app.get("/metrics")
         async def metrics():
@@ -681,65 +781,132 @@ class Server:
             return PlainTextResponse(self.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
         @app.post("/v1/completions")
+        @_guarded
         async def completions(request: Request):
-            body = _parse_body(await request.body())
-            prompt = self._prompt_ids(body)
-            return await self._generate(request, body, prompt, chat=False)
+            raw = await self._read_body(request)
+            prep = await limits.run_in(self._pool, self._prepare_request, raw, request.url.path, False)
+            return await self._generate(request, prep, chat=False)
 
         @app.post("/v1/chat/completions")
+        @_guarded
         async def chat_completions(request: Request):
-            body = _parse_body(await request.body())
-            prompt = self._chat_ids(body)
-            return await self._generate(request, body, prompt, chat=True)
+            raw = await self._read_body(request)
+            prep = await limits.run_in(self._pool, self._prepare_request, raw, request.url.path, True)
+            return await self._generate(request, prep, chat=True)
 
         return app
 
-    # ---- request parsing (no engine involved) --------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvlib",
+                "max_model_len": self.context}
+
+    def _no_such_model(self, name) -> APIError:  # a 404, as in OpenAI's API and vLLM
+        return APIError(f"the model {_short(name)} does not exist: this server serves {self.model_name!r} "
+                        "(GET /v1/models)", "model", status=404, code="model_not_found")
+
+    # ---- the body: read on the event loop, with its limits -------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The raw body: JSON by its Content-Type (415 otherwise), at most max_body_bytes (413 otherwise,
+        from Content-Length before reading a byte). A slow body is cut by the connection's read_timeout."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not (ctype == "application/json" or ctype.startswith("application/") and ctype.endswith("+json")):
+            raise APIError(f"the body must be JSON, sent with 'Content-Type: application/json' (got "
+                           f"{_short(ctype) if ctype else 'no Content-Type'})", status=415)
+        too_big = APIError(f"the request body is larger than this server's limit of {self.max_body_bytes:,} bytes "
+                           "(--max-body-bytes)", status=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # ---- request parsing and tokenization (in a worker thread; no engine involved) ---------------
+
+    def _prepare_request(self, raw: bytes, path: str, chat: bool) -> _Prepared:
+        body = limits.parse_json_object(raw)
+        self._check_model(body)
+        known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        unknown = [k for k in body if k not in known]
+        if unknown:
+            log.warning("%s: ignoring %s field(s) this server does not know: %s", path, f"{len(unknown):,}",
+                        limits.unknown_fields_note(unknown))
+        prompt = self._chat_ids(body) if chat else self._prompt_ids(body)
+        kwargs = self._sampling(body, prompt, chat)
+        stream = _bool(body, "stream")
+        opts = body.get("stream_options")
+        if opts is not None and (not isinstance(opts, dict) or not stream):
+            raise APIError("stream_options needs stream=true and must be an object like {\"include_usage\": true}",
+                           "stream_options")
+        return _Prepared(prompt, kwargs, stream, _bool(opts or {}, "include_usage"), _bool(body, "return_token_ids"))
 
     def _check_model(self, body):
         name = body.get("model")
         if not isinstance(name, str):
-            raise APIError(f"model is required: a string, here {self.model_name!r}", "model")
+            raise APIError(f"model is required: a string, here {self.model_name!r}", "model",
+                           code="missing_required_parameter" if name is None else "invalid_type")
         if name != self.model_name:
-            raise APIError(f"the model {name!r} does not exist: this server serves {self.model_name!r} "
-                           "(GET /v1/models)", "model", code="model_not_found")
+            raise self._no_such_model(name)
+
+    def _encode_text(self, text: str, param: str) -> list[int]:
+        """Token ids of ``text``; refused unencoded when even a lower bound on its tokens passes the context."""
+        if self.token_bytes is not None:
+            at_least = limits.min_tokens(text, self.token_bytes)
+            if at_least > self.context:
+                raise APIError(f"this model's maximum context length is {self.context} tokens; this {param} has at "
+                               f"least {at_least:,} ({len(text.encode('utf-8')):,} bytes, at most "
+                               f"{self.token_bytes} per token)", param, code="context_length_exceeded")
+        return limits.encode(self.tokenizer, text)
 
     def _prompt_ids(self, body) -> list[int]:
-        self._check_model(body)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one
         if isinstance(p, str):
             if not p:
                 raise APIError("prompt must not be empty", "prompt")
-            return self.tokenizer.encode(p)
+            return self._encode_text(p, "prompt")
+        if isinstance(p, list) and len(p) > self.context and all(type(t) is int for t in p[:8]):
+            raise APIError(f"this model's maximum context length is {self.context} tokens; the prompt alone has "
+                           f"{len(p):,}", "prompt", code="context_length_exceeded")
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(f"prompt holds token ids outside the vocabulary 0..{self.vocab_size - 1}: {bad[:5]}",
-                               "prompt")
+                raise APIError(f"prompt holds token ids outside the vocabulary 0..{self.vocab_size - 1}: "
+                               f"{[_short(t, 24) for t in bad[:5]]}", "prompt")
             return list(p)
         if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
             raise APIError(f"one prompt per request: got a list of {len(p)} prompts (send them as separate "
                            "requests; they are batched in the engine anyway)", "prompt")
-        raise APIError(f"prompt must be a string or a non-empty list of token ids, got {p!r:.80}", "prompt")
+        if p is None:
+            raise APIError("prompt is required: a string or a non-empty list of token ids", "prompt",
+                           code="missing_required_parameter")
+        raise APIError(f"prompt must be a string or a non-empty list of token ids, got {_short(p)}", "prompt")
 
     def _chat_ids(self, body) -> list[int]:
-        self._check_model(body)
         if not getattr(self.tokenizer, "chat_template", None) or not hasattr(self.tokenizer, "chat"):
             raise APIError(f"the model {self.model_name!r} has no chat template "
                            f"({type(self.tokenizer).__name__}), so messages cannot be formatted: "
                            "use /v1/completions with a plain prompt", "messages", code="no_chat_template")
         _unsupported(body, "tools", (None, []), "this server has no tool calling")
         _unsupported(body, "tool_choice", (None, "none"), "this server has no tool calling")
-        _unsupported(body, "response_format", (None, {"type": "text"}), "only plain text output")
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise APIError("messages must be a non-empty list of {'role': ..., 'content': ...}", "messages")
         flat = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(f"messages[{i}] must be an object with a string 'role', got {m!r:.80}", "messages")
+                raise APIError(f"messages[{i}] must be an object with a string 'role', got {_short(m)}", "messages")
+            if m["role"] not in CHAT_ROLES:
+                raise APIError(f"messages[{i}].role {_short(m['role'], 40)} is not supported: one of "
+                               f"{', '.join(CHAT_ROLES)}" + (" (this server has no tool calling)"
+                                                               if m["role"] == "tool" else ""),
+                               "messages", code="unsupported_value")
             content = m.get("content")
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
@@ -747,12 +914,24 @@ class Server:
                     raise APIError(f"messages[{i}].content: only text parts are supported", "messages")
                 content = "".join(c["text"] for c in content)
             if not isinstance(content, str):
-                raise APIError(f"messages[{i}].content must be a string, got {content!r:.80}", "messages")
-            flat.append({"role": m["role"], "content": content})
+                raise APIError(f"messages[{i}].content must be a string, got {_short(content)}", "messages")
+            flat.append({"role": CHAT_ROLES[m["role"]], "content": content})
+        if callable(getattr(self.tokenizer, "chat_text", None)):  # the template, then the bounded encoding
+            return self._encode_text(self._template(self.tokenizer.chat_text, flat), "messages")
+        return self._template(self.tokenizer.chat, flat)
+
+    @staticmethod
+    def _template(fn, flat):
         try:
-            return self.tokenizer.chat(flat)
-        except Exception as err:  # the template refused (e.g. raise_exception for an unknown role)
-            raise APIError(f"the chat template could not format these messages: {err}", "messages") from None
+            return fn(flat)
+        except Exception as err:  # the template refused (raise_exception), or failed
+            from jinja2 import TemplateError
+
+            if isinstance(err, TemplateError):
+                msg = str(err)[:200]  # the template author's words about these messages
+            else:
+                msg = f"error {_log_error('the chat template failed', err)} in the server log"
+            raise APIError(f"the chat template could not format these messages: {msg}", "messages") from None
 
     def _sampling(self, body, prompt, chat: bool) -> dict:
         """Engine.add_request's arguments, checked here so that a bad request never reaches the engine."""
@@ -769,8 +948,12 @@ class Server:
         _unsupported(body, "logit_bias", (None, {}), "no logit bias in this engine")
         _unsupported(body, "top_p", (None, 1, 1.0), "the engine samples with temperature and top_k only "
                                                     "(nucleus sampling is not implemented)")
+        _unsupported(body, "response_format", (None, {"type": "text"}), "only plain text output (no structured "
+                                                                        "output)")
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise APIError(f"user must be a string, got {_short(body['user'])}", "user", code="invalid_type")
         room = min(self.context, self.pool_positions + 1) - len(prompt)
-        if chat and body.get("max_completion_tokens") is not None:
+        if body.get("max_completion_tokens") is not None:  # OpenAI's newer name, over max_tokens (as vLLM's chat)
             max_tokens = _int(body, "max_completion_tokens", None, minimum=1)
             param = "max_completion_tokens"
         else:
@@ -788,14 +971,16 @@ class Server:
                            f"the whole pool holds ({self.pool_positions} positions): ask for fewer tokens, or "
                            "start the server with more --num-blocks", param, code="context_length_exceeded")
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)  # OpenAI's default is 1
-        top_k = _int(body, "top_k", None, minimum=-1)
+        top_k = _int(body, "top_k", None, minimum=-1, maximum=INT64_MAX)
         if top_k == 0:
             raise APIError("top_k must be >= 1, or -1 / null for no top-k", "top_k")
-        seed = _int(body, "seed", None, minimum=0)
-        stop_ids = body.get("stop_token_ids") or []
+        seed = _int(body, "seed", None, minimum=0, maximum=INT64_MAX)
+        stop_ids = body.get("stop_token_ids")
+        stop_ids = [] if stop_ids is None else stop_ids
         if not isinstance(stop_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in stop_ids):
-            raise APIError(f"stop_token_ids must be a list of token ids in 0..{self.vocab_size - 1}", "stop_token_ids")
+            raise APIError(f"stop_token_ids must be a list of token ids in 0..{self.vocab_size - 1}, got "
+                           f"{_short(stop_ids)}", "stop_token_ids")
         ignore_eos = _bool(body, "ignore_eos")
         return dict(prompt_ids=prompt, max_new_tokens=max_tokens,
                     temperature=0.0 if temperature < GREEDY_BELOW else temperature,
@@ -804,22 +989,24 @@ class Server:
 
     # ---- the generation, non-streamed or streamed ----------------------------------------------
 
-    async def _generate(self, request: Request, body: dict, prompt: list[int], chat: bool):
-        unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
-        if unknown:
-            log.warning("%s: ignoring fields this server does not know: %s", request.url.path, ", ".join(unknown))
-        kwargs = self._sampling(body, prompt, chat)
-        stream = _bool(body, "stream")
-        opts = body.get("stream_options")
-        if opts is not None and (not isinstance(opts, dict) or not stream):
-            raise APIError("stream_options needs stream=true and must be an object like {\"include_usage\": true}",
-                           "stream_options")
-        include_usage = _bool(opts or {}, "include_usage")
-        token_ids = _bool(body, "return_token_ids")
+    def _check_queue(self):
+        """Past max_waiting requests submitted and not yet admitted: a 503 with Retry-After."""
+        if self.max_waiting is None:
+            return
+        self._queued = {h for h in self._queued if not (h.admitted or h.done)}
+        if len(self._queued) >= self.max_waiting:
+            raise APIError(f"the server is busy: {len(self._queued)} requests are waiting for the engine "
+                           f"(--max-waiting {self.max_waiting}); retry in a moment", status=503, type="server_error",
+                           code="server_busy", headers={"Retry-After": "1"})
+
+    async def _generate(self, request: Request, prep: _Prepared, chat: bool):
         loop = self.loop
         if loop is None or not loop.thread.is_alive():
             raise APIError("the engine loop is not running", status=503, type="server_error")
+        self._check_queue()
+        kwargs, prompt = prep.kwargs, prep.prompt
         h = _Handle(asyncio.get_running_loop(), asyncio.Queue(), kwargs)
+        self._queued.add(h)
         loop.submit("add", h)
         streaming = False
         try:
@@ -831,8 +1018,8 @@ class Server:
             meta = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
                         model=self.model_name)
             text = TextStream(self.tokenizer, kwargs["stop"])
-            if stream:
-                events = self._sse(h, request, loop, meta, text, chat, include_usage, token_ids, prompt)
+            if prep.stream:
+                events = self._sse(h, request, loop, meta, text, chat, prep.include_usage, prep.token_ids, prompt)
                 # the generator aborts the request when it is cancelled or closed; the background task
                 # covers a stream that never started (the client left before its first byte)
                 response = StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS,
@@ -849,8 +1036,8 @@ class Server:
                     text.ids.extend(msg[1])
                 elif msg[0] == "finish":
                     _, reason, final, usage = msg
-                    return self._full_response(meta, chat, text.finish(final), reason, usage, token_ids, prompt,
-                                               text.ids)
+                    return self._full_response(meta, chat, text.finish(final), reason, usage, prep.token_ids,
+                                               prompt, text.ids)
         finally:
             if not streaming:
                 self._abort_if_live(h, loop)  # a cancelled handler, or a client that left
@@ -966,7 +1153,7 @@ def main(argv=None):
                                 description="An OpenAI-compatible server over kvlib.engine")
     p.add_argument("--model", default="smollm2-135m-instruct", choices=MODELS)
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines (there is no auth!)")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines (set --api-key then)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cuda / cpu (default: kvlib.runtime.DEVICE)")
     p.add_argument("--num-blocks", type=int, default=512, help="blocks in the paged KV pool")
@@ -975,13 +1162,28 @@ def main(argv=None):
     p.add_argument("--max-batched-tokens", type=int, default=256, help="most tokens computed per step")
     p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"))
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every /v1 request (401 otherwise; /health and "
+                        "/metrics stay open, as in vLLM). Default: the environment variable KVLIB_API_KEY, else none")
+    p.add_argument("--max-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted; a larger one is a 413 (default: %(default)s, 4 MiB)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests accepted but not yet admitted to the engine; past it a 503 with Retry-After "
+                        "(default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections (uvicorn's limit_concurrency); past it a 503 (default: %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers, and then its body, before it is "
+                        "closed (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model, tok = load_model(a.model, a.device)
     server = Server(model, tok, a.served_model_name or a.model, num_blocks=a.num_blocks, block_size=a.block_size,
                     max_num_seqs=a.max_num_seqs, max_batched_tokens=a.max_batched_tokens, preemption=a.preemption,
-                    prefix_caching=a.prefix_caching)
+                    prefix_caching=a.prefix_caching, api_key=a.api_key or os.environ.get("KVLIB_API_KEY") or None,
+                    max_body_bytes=a.max_body_bytes, max_waiting=a.max_waiting, max_connections=a.max_connections,
+                    read_timeout=a.read_timeout)
     try:
         server.serve(a.host, a.port, a.log_level)
     except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl+C, then re-raised the signal

@@ -271,7 +271,7 @@ BAD = {  # name: (path, body or raw bytes, the param the error names)
     "NaN is not JSON": ("completions", b'{"model": "tiny", "prompt": "a", "temperature": NaN}', None),
     "not an object": ("completions", b"[1, 2]", None),
     "no model": ("completions", {"prompt": "a"}, "model"),
-    "unknown model": ("completions", GOOD | {"model": "gpt-5"}, "model"),
+    # an unknown model is a 404 as in vLLM (tests/test_serve_hardening.py)
     "no prompt": ("completions", {"model": "tiny"}, "prompt"),
     "empty prompt": ("completions", GOOD | {"prompt": ""}, "prompt"),
     "empty id list": ("completions", GOOD | {"prompt": []}, "prompt"),
@@ -388,11 +388,13 @@ def test_a_failing_step_is_retried_then_fails_only_its_requests(fresh, tiny, mon
     r = c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
                              extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == solo(model, tok, ids, 10)
-    fails["left"] = 10 ** 6  # the same step keeps failing: a 500, the request aborted
-    with pytest.raises(openai.InternalServerError, match="injected fault"):
+    fails["left"] = 10 ** 6  # the same step keeps failing: a 500, the request aborted (the exception's text
+    # stays in the server's log: an error body never echoes it)
+    with pytest.raises(openai.InternalServerError, match="failed 3 steps in a row") as err:
         c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0)
+    assert "injected fault" not in str(err.value)
     stream = c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, stream=True)
-    with pytest.raises(openai.APIError, match="injected fault"):
+    with pytest.raises(openai.APIError, match="failed 3 steps in a row"):
         list(stream)
     fails["left"] = 0
     r = c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
