@@ -65,7 +65,9 @@ def add(x: torch.Tensor, y: torch.Tensor, tile: int = 1024) -> torch.Tensor:
         raise ValueError(f"y must be on x's device {x.device}, got {y.device}")
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile!r}")
-    check_kernel_dtype("vector_add.add", "x", x, dot=True)  # the interpreter adds bf16 wrongly
+    # bf16 is refused where it cannot work: Triton's interpreter (CPU mode) does not support it (its sums come back
+    # wrong), and GPUs below compute capability 8.0 lack it. (dot=True: this kernel computes in x's dtype.)
+    check_kernel_dtype("vector_add.add", "x", x, dot=True)
     if not runtime.require_triton("vector_add.add", x=x, y=y):
         return add_ref(x, y)
     x, y = x.contiguous(), y.contiguous()
