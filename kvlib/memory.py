@@ -227,32 +227,37 @@ def resident_bytes() -> int | None:
         return None
 
 
-def _grow_each(builds, device, trials: int = 3):
-    """Run each build ``trials`` times, keeping every result alive; return the median of the bytes each run
-    added (one other allocation during a run, e.g. a thread starting on a busy machine, moves one run only)."""
-    if device == "cuda":
-        read = torch.cuda.memory_allocated
-    else:
-        read = resident_bytes
-        torch.zeros(1 << 22).fill_(1.0)  # warm-up: the first large fill starts the thread pool (its stacks are RSS)
+_KEPT = []  # every build's result, kept alive in the measuring process: freed memory would hide the next growth
+
+
+def _warm_up():
+    """The first large fill starts torch's thread pool, whose stacks are resident memory: do it before measuring."""
+    torch.zeros(1 << 22).fill_(1.0)
+
+
+def _grow_one(build, args, kwargs, device, trials: int = 3):
+    """Run one build ``trials`` times, keeping every result alive; return the median of the bytes each run added
+    (one other allocation during a run, e.g. a thread starting on a busy machine, moves one run only)."""
+    read = torch.cuda.memory_allocated if device == "cuda" else resident_bytes
     if read() is None:
         return None
-    keep, grown = [], []
-    for build, args, kwargs in builds:
-        runs = []
-        for _ in range(trials):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            before = read()
-            keep.append(build(*args, **kwargs))  # kept: freed memory would be handed to the next build
-            if device == "cuda":
-                torch.cuda.synchronize()
-            runs.append(read() - before)
-        grown.append(sorted(runs)[len(runs) // 2])
-    return grown
+    runs = []
+    for _ in range(trials):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        before = read()
+        _KEPT.append(build(*args, **kwargs))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        runs.append(read() - before)
+    return sorted(runs)[len(runs) // 2]
 
 
-def measure_allocation(builds, device="cpu") -> list[int] | None:
+def _grow_one_cpu(item):
+    return _grow_one(*item, "cpu")
+
+
+def measure_allocation(builds, device="cpu", progress=None) -> list[int] | None:
     """Bytes of memory each of ``builds`` really took: a list of (callable, args, kwargs), e.g.
     ``(KVCache, (4, 2, 8, 1024, 64), dict(dtype=torch.float16))``, built one after the other.
 
@@ -264,21 +269,27 @@ def measure_allocation(builds, device="cpu") -> list[int] | None:
     every page is resident. Each build runs three times and the median growth is returned, so one stray
     allocation on a busy machine does not move the figure. Returns None where the resident size cannot
     be read. The callables must be importable (a class or a function of a module): on a CPU they run in
-    another process.
+    another process. ``progress``: optional wrapper of the results as they arrive, e.g. ``tqdm.auto.tqdm``
+    (called as ``progress(iterable, total=len(builds))``).
     """
     builds = [(b, tuple(a), dict(k)) for b, a, k in builds]
+    wrap = (lambda it: progress(it, total=len(builds))) if progress is not None else (lambda it: it)
     if device == "cuda":
-        return _grow_each(builds, "cuda")
+        grown = [_grow_one(b, a, k, "cuda") for b, a, k in wrap(builds)]
+        _KEPT.clear()
+        torch.cuda.empty_cache()
+        return grown
     # glibc (Linux) gives a block of at least this many bytes its own fresh pages, and returns them on free,
     # instead of carving it out of heap memory freed earlier (which is resident already and would hide the
     # growth). Setting it also stops glibc raising the threshold on its own. Other C libraries ignore it.
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(16 * 2**10)
-    try:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:  # the child reads the variable at start
-            return pool.apply(_grow_each, (builds, "cpu"))
+    try:  # one worker process runs every build in turn (its _KEPT holds them all); it reads the variable at start
+        with multiprocessing.get_context("spawn").Pool(1, initializer=_warm_up) as pool:
+            grown = list(wrap(pool.imap(_grow_one_cpu, builds)))
     finally:
         if saved is None:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return None if any(g is None for g in grown) else grown

@@ -140,3 +140,20 @@ def test_measured_allocation_matches_the_formula():
     for got, dtype, n_tensors in zip(grown, ("fp16", "int8"), (60, 120)):
         predicted = m.kv_bytes_per_token(dtype) * S
         assert abs(got - predicted) <= n_tensors * 8192 + 2**20, (dtype, got, predicted)
+
+
+def test_measure_allocation_reports_progress_per_build():
+    if resident_bytes() is None:
+        pytest.skip("resident memory cannot be read on this system")
+    seen = []
+
+    def progress(it, total):
+        for x in it:
+            seen.append(total)
+            yield x
+
+    builds = [(KVCache, (2, 1, 2, 4096, 32), dict(dtype=torch.float16))] * 2
+    grown = measure_allocation(builds, "cpu", progress=progress)
+    assert seen == [2, 2]
+    predicted = kv_cache_bytes(2, 2, 32, 4096, 1, "fp16")
+    assert all(abs(g - predicted) <= 4 * 8192 + 2**20 for g in grown), (grown, predicted)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ['kv_bytes', 'sequences_that_fit', 'decode_step_time_floor']
+__all__ = ['kv_bytes', 'sequences_that_fit', 'decode_step_time_floor', 'measured_kv_bytes', 'deployments_that_fit']
 
 # --------------------------------------------------------------------------------------------
 # Lab 04 · KV memory
@@ -63,3 +63,37 @@ def decode_step_time_floor(cases, kv_of):
     }
 
 
+
+
+def measured_kv_bytes(case):
+    """case: (n_layers, n_kv_heads, head_dim, seq_len, batch, bytes_per_element) of the cache whose memory was
+    measured; exercise 1's wrong formulas give these predictions (float64, as the check compares them)."""
+    return {what: (lambda wrong=wrong: wrong()[0].to(torch.float64)) for what, wrong in kv_bytes([case]).items()}
+
+
+def _choice(options, keep) -> torch.Tensor:
+    """1 for each option ``keep(model, gpu_bytes)`` accepts, in order: the answer a wrong belief gives."""
+    return torch.tensor([int(bool(keep(m, g))) for m, g in options])
+
+
+def deployments_that_fit(options, batch: int, context: int, reserve_bytes: int):
+    """options: [(ModelSpec, gpu_bytes), ...] for ``batch`` sequences of ``context`` tokens, fp16 weights and cache.
+    The wrong decisions, as 0/1 per option (the check compares your set written the same way)."""
+
+    def kv(m, b=batch, heads=None):
+        return 2 * m.n_layers * (heads or m.n_kv_heads) * m.head_dim * context * b * 2
+
+    def left(m, g):
+        return g - m.weight_bytes("fp16") - reserve_bytes
+
+    return {
+        "the weights are left out: they are loaded first, and only the rest holds caches": lambda: _choice(
+            options, lambda m, g: context <= m.max_context and kv(m) <= g - reserve_bytes),
+        "the model's maximum context is left out: a model cannot serve sequences longer than "
+        "max_position_embeddings, whatever the memory": lambda: _choice(
+            options, lambda m, g: 0 < left(m, g) and kv(m) <= left(m, g)),
+        "the cache is counted with the query heads: only the K/V heads are cached (GQA shares them)": lambda: _choice(
+            options, lambda m, g: context <= m.max_context and 0 < left(m, g) and kv(m, heads=m.n_heads) <= left(m, g)),
+        "the cache of one sequence only: every one of the batch's sequences keeps its own": lambda: _choice(
+            options, lambda m, g: context <= m.max_context and 0 < left(m, g) and kv(m, b=1) <= left(m, g)),
+    }
