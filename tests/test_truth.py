@@ -7,7 +7,10 @@
 - the README's results table is what the notebooks' committed outputs say (``python -m kvlib.course.readme``);
 - words written for the people who maintain the course (the test tools, test ids, "session", the GPU
   script, "whoever maintains") appear neither in what learners read (chapters, labs, solutions, their
-  printed outputs, the README outside its maintainers' section) nor in the messages kvlib prints;
+  printed outputs, README.md, GLOSSARY.md) nor in the messages kvlib prints; they belong in CONTRIBUTING.md;
+- the README stays a learner's page: at most 15 KB, no course targets, a chapter map that lists every chapter
+  and no chapter that does not exist, links that resolve; the GPU headline table lives in CONTRIBUTING.md,
+  where ``python -m kvlib.bench --from-csv ... --update-readme CONTRIBUTING.md`` finds its markers;
 - no committed notebook holds a frozen progress bar (``scripts/strip_progress.py``).
 """
 
@@ -48,7 +51,7 @@ def test_no_jargon_or_stale_promises(nb):
 
 
 def test_no_jargon_in_readme_and_package():
-    files = [ROOT / "README.md", *sorted((ROOT / "kvlib").rglob("*.py"))]
+    files = [ROOT / "README.md", ROOT / "GLOSSARY.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "kvlib").rglob("*.py"))]
     bad = [(f.name, m.group(0)) for f in files for m in JARGON.finditer(f.read_text())]
     assert not bad, bad
 
@@ -61,20 +64,66 @@ MAINTAINER = re.compile(r"\bnbval\b|\bpytest\b|tests/test_\w+\.py|\bsessions?\b|
 @pytest.mark.parametrize("nb", NOTEBOOKS + SOLUTIONS + LABS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_maintainer_words_in_what_learners_read(nb):
     bad = [(where, m.group(0)) for where, text in _texts(nb) for m in MAINTAINER.finditer(text)]
-    assert not bad, f"say only what helps the learner (maintainer facts go to the README's maintainers' section): {bad}"
+    assert not bad, f"say only what helps the learner (maintainer facts go to CONTRIBUTING.md): {bad}"
 
 
-def _readme_for_learners() -> str:
+LEARNER_PAGES = ["README.md", "GLOSSARY.md"]  # CONTRIBUTING.md is the maintainers' page
+
+
+@pytest.mark.parametrize("name", LEARNER_PAGES)
+def test_no_maintainer_words_in_the_learners_pages(name):
+    bad = [m.group(0) for m in MAINTAINER.finditer((ROOT / name).read_text())]
+    assert not bad, f"{name} is for learners: move these to CONTRIBUTING.md: {bad}"
+
+
+def test_maintainer_facts_live_in_contributing_not_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    assert (ROOT / "CONTRIBUTING.md").exists(), "CONTRIBUTING.md holds what maintainers need"
+    assert not re.search(r"^#+ .*maintainer", readme, re.M | re.I), "no maintainers' section in the README"
+    assert "CONTRIBUTING.md" in readme, "the README points maintainers to CONTRIBUTING.md"
+    contributing = (ROOT / "CONTRIBUTING.md").read_text()
+    assert "KVLIB_STRICT=1" in contributing and "GLOSSARY.md" in contributing
+
+
+README_MAX_BYTES = 15 * 1024
+TARGETS = re.compile(r"\(targets? [≥≤<>]|target\W{0,6}(?:\*\*)?(?:met|missed)\b|target on a (?:cpu|gpu)|"
+                     r"<!-- headline:start -->", re.I)
+
+
+def test_readme_is_a_short_page_for_learners():
     text = (ROOT / "README.md").read_text()
-    head, sep, rest = text.partition("\n## For maintainers")
-    assert sep, "the README needs a '## For maintainers' section (the last one) for facts learners do not need"
-    assert "\n## " not in rest, "'## For maintainers' must be the README's last section"
-    return head
+    assert len(text.encode()) <= README_MAX_BYTES, f"README.md is {len(text.encode())} bytes (at most {README_MAX_BYTES})"
+    bad = [m.group(0) for m in TARGETS.finditer(text)]
+    assert not bad, f"the course's targets belong in CONTRIBUTING.md and the benchmarks, not the README: {bad}"
 
 
-def test_no_maintainer_words_in_the_readme_outside_its_maintainers_section():
-    bad = [m.group(0) for m in MAINTAINER.finditer(_readme_for_learners())]
-    assert not bad, bad
+def test_the_gpu_headline_table_is_where_the_bench_tool_writes_it():
+    from kvlib.bench.__main__ import END, START
+
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    assert text.count(START) == 1 and text.count(END) == 1 and text.index(START) < text.index(END)
+    assert "--update-readme CONTRIBUTING.md" in text
+
+
+CHAPTER_ROW = re.compile(r"^\| (\d\d) \| \[[^\]]+\]\((notebooks/[^)]+\.ipynb)\) \| ([^|]+) \|", re.M)
+
+
+def test_readme_chapter_map_lists_every_chapter_and_only_those():
+    text = (ROOT / "README.md").read_text()
+    rows = CHAPTER_ROW.findall(text)
+    chapters = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")
+                      if "deep_dive" not in p.name)
+    assert [path for _, path, _ in rows] == chapters, "one row per chapter notebook, in order"
+    long = [num for num, _, line in rows if len(line.split()) > 25]
+    assert not long, f"chapter-map lines over 25 words: {long}"
+
+
+@pytest.mark.parametrize("name", ["README.md", "GLOSSARY.md", "CONTRIBUTING.md"])
+def test_relative_links_resolve(name):
+    text = re.sub(r"```.*?```|`[^`\n]*`", "", (ROOT / name).read_text(), flags=re.S)  # examples in code are not links
+    targets = re.findall(r"\]\(((?!https?:|#|mailto:)[^)#\s]+)", text)
+    missing = sorted({t for t in targets if not (ROOT / t).exists()})
+    assert not missing, f"{name} links to files that do not exist: {missing}"
 
 
 def test_messages_kvlib_prints_to_learners_have_no_maintainer_words():

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--from-csv", metavar="RESULTS_CSV",
                     help="measure nothing: redraw the plots and the summary of an existing results.csv into --out")
     ap.add_argument("--update-readme", metavar="README",
-                    help="with --from-csv: put the headline table between the README's headline markers")
+                    help="with --from-csv: put the headline table between the headline markers of this file (CONTRIBUTING.md)")
     ap.add_argument("--merge", nargs="+", metavar="PATH",
                     help="measure nothing: join these results.csv files (or folders holding them, or folders of "
                          "such folders) into --out: results.csv, stamp.json, summary.md and the plots")
