@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ['greedy_naive', 'recomputed_kv_rows', 'top_k_sample']
+__all__ = ['greedy_naive', 'recomputed_kv_rows', 'growth', 'GROWTH_KEYS', 'top_k_sample']
 
 # --------------------------------------------------------------------------------------------
 # Lab 02 · naive decoding
@@ -43,6 +43,36 @@ def recomputed_kv_rows(cases):
             [[n * p + n * (n + 1) // 2, b] for b, (p, n) in zip(minimum, cases)]),
         "the naive count uses the final length at every step, n_new * (prompt_len + n_new); the sequence "
         "grows one token per step": lambda: torch.tensor([[n * (p + n), b] for b, (p, n) in zip(minimum, cases)]),
+    }
+
+
+GROWTH_KEYS = "ABCDEF"
+
+
+def growth(reference: dict):
+    """Exercise 3's decision: the power of n each count grows like, A-F (see the lab), as a (6,) tensor.
+
+    reference: the powers measured by counting on the real loops, {"A": 1, ...}; each mistake changes the
+    answers a learner typically gets wrong and keeps the rest right.
+    """
+    def answer(**changed):
+        return lambda: torch.tensor([{**reference, **changed}[k] for k in GROWTH_KEYS])
+
+    r = reference
+    return {
+        "B: a total adds up the steps; n steps that each grow like n add up to about n²/2, one power more than "
+        "one step (A)": answer(B=r["A"]),
+        "C: the naive step scores all t query rows against the keys, t × t scores (all computed, one row used), so "
+        "it grows like n², not n": answer(C=r["A"]),
+        "D: the sum of n steps that each grow like n² grows like n³, one power more than one step (C)": answer(
+            D=r["C"]),
+        "E: with a cache a step computes K/V for its one new token only; a count that does not grow is n^0":
+            answer(E=r["E"] + 1),
+        "F: with a cache each position's K/V is computed once, so the total grows like n, not n²": answer(
+            F=r["F"] + 1),
+        "E and F: the cached loop computes one K/V row per step at any length (n^0), so n in all": answer(
+            E=r["A"], F=r["B"]),
+        "A and B are swapped: one step grows like n, the total of n steps like n²": answer(A=r["B"], B=r["A"]),
     }
 
 
