@@ -28,7 +28,7 @@ MAX_CELL_LINES = 25
 MAX_OUTPUT_WORDS = 30
 
 # The chapters in the form; the list grows until it holds every notebook.
-FORM_CHAPTERS = ["00_setup", "01_attention", "02_naive_decoding", "03_kv_cache", "04_kv_memory"]
+FORM_CHAPTERS = ["00_setup", "02_naive_decoding", "04_kv_memory"]
 
 
 def _chapters() -> list[str]:
