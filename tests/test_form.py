@@ -106,6 +106,8 @@ def form_problems(rel: str, nb: dict, anchors: set[str]) -> list[str]:
                                     f"cell that measures it, or mark a cited/exact value with <!-- cited -->")
             if TARGET.search(src):
                 problems.append(f"cell {i}: a course target shown as a lesson")
+            if re.search(r"\{[A-Z]\}|\{[a-z_]+\}\w", src):
+                problems.append(f"cell {i}: an unrendered template placeholder in markdown")
             for anchor in GLOSSARY_LINK.findall(src):
                 if anchor not in anchors:
                     problems.append(f"cell {i}: GLOSSARY.md#{anchor} is not a term in GLOSSARY.md")
@@ -201,6 +203,7 @@ def _md(src):
     (_md("a 6.0× speed-up"), "measured number"),
     (_md("Target on a CPU: 5x"), "target"),
     (_md("see [perplexity](../GLOSSARY.md#no-such-term)"), "not a term"),
+    (_md("see [FLOPs]({G}flop)"), "placeholder"),
 ])
 def test_the_guard_catches(cell, catches):
     problems = form_problems("x.ipynb", _nb(cell), {"perplexity"})
