@@ -6,7 +6,9 @@ What you will learn (notebook 01):
 - grouped K/V heads: query head h reads K/V head h // (H / H_KV);
 - the online softmax: a running maximum and a running sum let one pass over K/V tiles produce
   exactly the softmax of the whole row, without ever holding the (T, S) score matrix;
-- a Triton kernel in which one program owns TILE_M query rows of one head and streams K/V in
+- the idea in its smallest kernel, ``flash_attention_minimal``: one program per tile of query rows, one
+  loop over every key tile, the online softmax in between (as in Triton's fused-attention tutorial);
+- the full kernel, ``flash_attention``, in which one program owns TILE_M query rows of one head and streams K/V in
   tiles of TILE_N keys, accumulating in fp32. It never loads the tiles the causal mask hides
   entirely, and masks only the few that straddle the diagonal: one loop over the tiles below it
   with no mask at all, then one loop with the mask;
@@ -24,7 +26,7 @@ import torch
 from . import runtime
 from ._triton import check_kernel_dtype, tl, triton
 
-__all__ = ["attention_ref", "flash_attention", "check_attention_inputs"]
+__all__ = ["attention_ref", "flash_attention_minimal", "flash_attention", "check_attention_inputs"]
 
 
 def check_attention_inputs(q, k, v, max_head_dim=None):
@@ -91,6 +93,93 @@ def attention_ref(q, k, v, causal=True):
         scores = scores.masked_fill(col_pos > row_pos, float("-inf"))  # no looking at the future
     probs = torch.softmax(scores, dim=-1)  # (B, H, T, S): each row sums to 1
     return (probs @ v.float()).to(q.dtype)  # (B, H, T, D)
+
+
+# --------------------------------------------------------------------------------------------
+# The smallest flash-attention kernel: the idea and nothing else
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _flash_attention_minimal_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # contiguous (B, H, S, D) tensors; the causal prefill: T == S
+    S,  # sequence length
+    qk_scale,  # 1/sqrt(D)
+    D: tl.constexpr,  # head dim: a power of two, at least 16
+    TILE_M: tl.constexpr,  # query rows per program
+    TILE_N: tl.constexpr,  # keys per step of the loop
+):
+    rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)  # (TILE_M,) this program's query rows
+    head = tl.program_id(1).to(tl.int64) * S * D  # where this (batch, head) starts; 64-bit: B*H*S*D may pass 2**31
+    dims = tl.arange(0, D)  # (D,)
+    q = tl.load(q_ptr + head + rows[:, None] * D + dims[None, :], mask=rows[:, None] < S, other=0.0)  # (TILE_M, D)
+    m = tl.full((TILE_M,), float("-inf"), tl.float32)  # running max of each row's scores
+    l = tl.zeros((TILE_M,), tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros((TILE_M, D), tl.float32)  # running sum of exp(score - m) * v
+    for start_n in range(0, S, TILE_N):  # every key tile, even those the causal mask hides entirely
+        cols = start_n + tl.arange(0, TILE_N)  # (TILE_N,) key positions of this tile
+        kv = head + cols[:, None] * D + dims[None, :]  # (TILE_N, D) offsets of their K and V rows
+        k = tl.load(k_ptr + kv, mask=cols[:, None] < S, other=0.0)  # (TILE_N, D)
+        v = tl.load(v_ptr + kv, mask=cols[:, None] < S, other=0.0)  # (TILE_N, D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (TILE_M, TILE_N) scaled scores
+        s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))  # causal mask (also hides keys past S)
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # (TILE_M,) key 0 is in the first tile: never -inf
+        alpha = tl.exp(m - m_new)  # rescales what was summed under the old maximum
+        p = tl.exp(s - m_new[:, None])  # (TILE_M, TILE_N) weights relative to the new maximum
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]  # (TILE_M, D)
+    tl.store(o_ptr + head + rows[:, None] * D + dims[None, :], out.to(o_ptr.dtype.element_ty), mask=rows[:, None] < S)
+
+
+def flash_attention_minimal(q, k, v):
+    """Causal attention with the minimal kernel: the same result as ``attention_ref(q, k, v)``.
+
+    The smallest version of the idea, for reading: q, k, v of one shape (B, H, S, D) (no grouped K/V
+    heads, every query attends over the same S tokens), D a power of two from 16 to 256, fp32 or fp16
+    (bf16 on a GPU). ``flash_attention`` lifts these limits, skips the tiles the mask hides and masks only
+    the tiles on the diagonal.
+
+    >>> from kvlib.runtime import DEVICE
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(1, 2, 21, 16, generator=g).to(DEVICE) for _ in range(3))
+    >>> torch.allclose(flash_attention_minimal(q, k, v), attention_ref(q, k, v), atol=1e-5)
+    True
+    """
+    check_attention_inputs(q, k, v)
+    if k.shape != q.shape:
+        raise ValueError(f"flash_attention_minimal takes q, k, v of one shape (B, H, S, D); got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}: use flash_attention for grouped K/V heads or T < S")
+    B, H, S, D = q.shape
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"flash_attention_minimal needs a head dim D that is a power of two from 16 to 256, got {D}: "
+                         "use flash_attention, which pads D")
+    check_kernel_dtype("attention.flash_attention_minimal", "q", q, dot=True)
+    if not runtime.require_triton("attention.flash_attention_minimal", q=q, k=k, v=v):
+        return attention_ref(q, k, v)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    TILE_M, TILE_N, num_warps = _minimal_tiles(D, runtime.INTERPRETER, dot_on_tensor_cores(q.dtype, q.device))
+    grid = (triton.cdiv(S, TILE_M), B * H)  # one program per (tile of query rows, batch x head)
+    _flash_attention_minimal_kernel[grid](q, k, v, out, S, 1.0 / math.sqrt(D), D=D, TILE_M=TILE_M, TILE_N=TILE_N,
+                                          num_warps=num_warps)
+    return out
+
+
+def _minimal_tiles(D: int, interpreter: bool, tensor_cores: bool):
+    """(TILE_M, TILE_N, num_warps) for the minimal kernel: large tiles in the interpreter (fewer programs run
+    faster there); on a GPU, tiles that build without spilling (``tests/test_compile.py``)."""
+    if interpreter:
+        return 32, 32, 4
+    if tensor_cores:
+        return (64, 64, 4) if D <= 64 else (64, 32, 4)  # 64 x 64 at D = 128 takes all 255 registers on sm_80
+    return (32, 16, 4) if D <= 128 else (16, 16, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# The full kernel: skips the hidden tiles, masks only the diagonal, 64-bit offsets, grouped K/V heads
+# --------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -360,6 +449,22 @@ def _compile_launch(dtype: torch.dtype, D: int, causal: bool = True, T: int = 25
     return launch
 
 
+def _compile_launch_minimal(dtype: torch.dtype, D: int, S: int):
+    """A zero-argument launch of flash_attention_minimal for ``kvlib.course.compile_check``: B=2, H=32, S tokens
+    (S = 1001 is not a multiple of 16, which builds another kernel than S = 256)."""
+    def launch():
+        q, k, v = (torch.empty(2, 32, S, D, dtype=dtype) for _ in range(3))
+        return flash_attention_minimal(q, k, v)
+    return launch
+
+
+def _minimal_loop_work(a: dict) -> dict:
+    """One iteration of the minimal kernel's loop: Q K^T and P V (TILE_M x TILE_N x D multiply-adds each), one
+    TILE_N x D tile of K and one of V loaded."""
+    return dict(flops=4 * a["TILE_M"] * a["TILE_N"] * a["D"], bytes=2 * a["TILE_N"] * a["D"] * a["k_ptr"].element_size(),
+                loop=0)
+
+
 def _loop_work(a: dict) -> dict:
     """What one program does per iteration of its first (unmasked) key loop: Q K^T and P V are each
     TILE_M x TILE_N x TILE_D multiply-adds (2 FLOPs each), and it loads one TILE_N x TILE_D tile of K and
@@ -385,5 +490,13 @@ COMPILE_SPECS = [
         ("fp16", torch.float16, 64, True, (75,), 256),
         ("fp16", torch.float16, 128, True, (75,), 1001),
         ("fp32", torch.float32, 64, True, (75,), 1001),
+    ]
+] + [
+    dict(name=f"minimal prefill {name} D={D} S={S}", launch=_compile_launch_minimal(dtype, D, S), archs=archs,
+         loops={"_flash_attention_minimal_kernel": _minimal_loop_work})
+    for name, dtype, D, S, archs in [
+        ("fp16", torch.float16, 64, 256, (75, 80, 90)),
+        ("fp16", torch.float16, 128, 1001, (75, 80, 90)),
+        ("fp32", torch.float32, 64, 1001, (75, 80, 90)),
     ]
 ]

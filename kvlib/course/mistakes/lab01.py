@@ -8,7 +8,8 @@ import torch
 
 from ._common import BY_D, GQA_MODULO, NO_SQRT_D
 
-__all__ = ['attention_one_head', 'kv_head_for', 'online_softmax']
+__all__ = ['attention_one_head', 'kv_head_for', 'online_softmax', 'chunk_combinations', 'combine_chunks',
+           'combine_chunks_reference', 'hidden_counts', 'hidden_counts_reference']
 
 # --------------------------------------------------------------------------------------------
 # Lab 01 · attention
@@ -100,3 +101,88 @@ def online_softmax(scores, values, chunk):
     }
 
 
+
+
+# Exercise 4 (a decision): which combination of per-chunk results is the row's softmax-weighted sum?
+
+COMBINE_REASON = 2  # each o_c is normalised by its own chunk's sum: rescale it by the chunk's share of the row's
+
+
+def chunk_combinations(scores, values, chunk):
+    """The three candidate combinations of exercise 4, computed from per-chunk results only:
+    {1: mean of the o_c, 2: o_c weighted by l_c e^(m_c) / sum, 3: the o_c of the chunk with the largest m_c}."""
+    outs, maxes, sums = [], [], []
+    for start in range(0, scores.shape[0], chunk):
+        s_c, v_c = scores[start:start + chunk].double(), values[start:start + chunk].double()
+        m_c = s_c.max()
+        e = torch.exp(s_c - m_c)
+        outs.append(e @ v_c / e.sum())  # o_c = softmax(s_c) V_c
+        maxes.append(m_c)
+        sums.append(e.sum())
+    outs, maxes, sums = torch.stack(outs), torch.stack(maxes), torch.stack(sums)
+    share = sums * torch.exp(maxes - maxes.max())  # l_c e^(m_c), all relative to the largest max: no overflow
+    return {1: outs.mean(0), 2: (share / share.sum()) @ outs, 3: outs[int(maxes.argmax())]}
+
+
+def combine_chunks_reference(scores, values, chunk):
+    """The right (combination, reason) of exercise 4, found by computing the three combinations on these inputs
+    and keeping the one equal to softmax(scores) @ values (there is exactly one)."""
+    true = torch.softmax(scores.double(), 0) @ values.double()
+    right = [n for n, out in chunk_combinations(scores, values, chunk).items() if torch.allclose(out, true, atol=1e-9)]
+    if len(right) != 1:
+        raise ValueError(f"combine_chunks_reference: {len(right)} combinations equal the true output on these inputs")
+    return right[0], COMBINE_REASON
+
+
+def combine_chunks(scores, values, chunk):
+    """Every wrong (combination, reason) answer to exercise 4, each with what it misses."""
+    combos = chunk_combinations(scores, values, chunk)
+    true = torch.softmax(scores.double(), 0) @ values.double()
+    off = {n: (out - true).abs().max().item() for n, out in combos.items()}
+    n = len(range(0, scores.shape[0], chunk))
+    return {
+        f"the plain mean weighs every chunk equally, whatever its scores (off by {off[1]:.2f} here), and softmax is not "
+        "linear: exp of a sum is a product, so averaging softmaxes is not the softmax of the average. This is the "
+        "first source article's mistake in its paged attention": (1, 1),
+        f"reason 2 is right, but it rules out option 1: the plain mean gives every chunk the same weight instead "
+        f"of its share of the row's sum (off by {off[1]:.2f} here)": (1, 2),
+        f"the plain mean weighs every chunk equally (off by {off[1]:.2f} here), which reason 3 argues against: if "
+        f"one chunk held nearly all the weight, the mean would shrink it to 1/{n}": (1, 3),
+        f"the chunk with the largest score holds nearly all the weight only when its scores stand far above the "
+        f"others'; here the other chunks still count (off by {off[3]:.2f})": (3, 3),
+        f"the chunk with the largest maximum alone leaves the other chunks out (off by {off[3]:.2f} here), and "
+        "softmax is not linear: exp of a sum is a product": (3, 1),
+        f"reason 2 is right, but it rules out option 3: the other chunks have a share of the row's sum too (off "
+        f"by {off[3]:.2f} here)": (3, 2),
+        "the right combination for the wrong reason: softmax is not linear (exp of a sum is a product), so "
+        "averaging softmaxes is not the softmax of the average": (2, 1),
+        "the right combination for the wrong reason: no chunk is negligible here; option 2 is exact however the "
+        "scores are spread, because it renormalises each o_c by its chunk's share of the row's sum": (2, 3),
+    }
+
+
+# Exercise 5 (a decision): how many (query, key) pairs does the causal mask hide?
+
+HIDDEN_CASES = ((7, 7), (3, 7), (1, 7))  # (T queries, S keys): a prefill, 3 new tokens after 4 cached, 1 new token
+
+
+def hidden_counts_reference(cases=HIDDEN_CASES):
+    """Pairs the causal mask hides for each (T, S), the queries being the last T of S tokens: query i sits at
+    position S - T + i and may not see keys after it, which leaves T(T-1)/2 hidden pairs whatever S is."""
+    return tuple(sum(max(0, S - (S - T + i) - 1) for i in range(T)) for T, S in cases)
+
+
+def hidden_counts(cases=HIDDEN_CASES):
+    """Every typical wrong count for exercise 5, each with what it misses."""
+    def count(rule):
+        return tuple(sum(rule(i, j, T, S) for i in range(T) for j in range(S)) for T, S in cases)
+
+    return {
+        "the diagonal is hidden too: a query always sees its own key (j = i is visible), so a prefill of T tokens "
+        "hides T(T-1)/2 pairs, not T(T+1)/2": count(lambda i, j, T, S: j >= S - T + i),
+        "the mask is aligned to the start, not to the end: the T queries are the *last* T tokens, so query i sits "
+        "at position S - T + i and sees keys 0 .. S - T + i": count(lambda i, j, T, S: j > i),
+        "new queries still hide each other's future: with 3 new tokens, the first new token must not see the two "
+        "after it (only a single new token, T = 1, has nothing to hide)": tuple(
+            T * (T - 1) // 2 if T == S else 0 for T, S in cases),
+    }
