@@ -176,7 +176,12 @@ def plot_curves(x, series: dict, *, xlabel: str, ylabel: str, title: str, logx: 
             ax.set_xticks(plotted, [f"{a:,g}" if a < 1e6 else f"{a:.3g}" for a in plotted])
             ax.xaxis.set_minor_formatter(plt.NullFormatter())
     if logy:
+        from matplotlib.ticker import FuncFormatter, LogLocator
         ax.set_yscale("log")
+        # 1, 2, 5 per decade, labelled plainly: a curve within one or two decades still shows >= 3 labelled ticks
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{device or runtime.device_name()}", fontsize=10)
