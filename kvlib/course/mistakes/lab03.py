@@ -8,7 +8,7 @@ import torch
 
 from ._common import BY_D, GQA_MODULO, NO_SQRT_D
 
-__all__ = ['append_kv', 'decode_one', 'decode_kernel', 'merge_partials', 'cached_greedy']
+__all__ = ['append_kv', 'decode_one', 'decode_kernel', 'exact_merges', 'merge_partials', 'cached_greedy']
 
 # --------------------------------------------------------------------------------------------
 # Lab 03 · the KV cache
@@ -154,6 +154,19 @@ def decode_kernel(q, k_cache, v_cache, seq_lens, tile):
             q, k_cache, v_cache, seq_lens, tile, mask_scores=False),
     })
     return out
+
+
+def exact_merges():
+    """Lab 03's decision (which candidate merges of two partials are exact on every input): for each candidate
+    A-E, why choosing it (A-D) or leaving it out (E) is wrong. ``kvlib.course.ch03.check_merge_choice`` prints
+    the reason of every letter on which yours and the reference differ."""
+    return {
+        "A": "A averages the partials; each must weigh by its range's share exp(lse_i) of the softmax sum",
+        "B": "B is exact on paper, but exp(lse) overflows once scores pass about 88 (fp32) or 709 (fp64)",
+        "C": "C weighs by positions; the right weights are the ranges' softmax sums exp(lse_i)",
+        "D": "D is exact on paper, but exp(lse2 - lse1) overflows when range 2's scores are far higher",
+        "E": "E is exact everywhere: both exponents lse_i - m are <= 0, so nothing overflows",
+    }
 
 
 def merge_partials(o1, lse1, o2, lse2):
