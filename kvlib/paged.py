@@ -35,10 +35,10 @@ from ._triton import check_kernel_dtype, tl, triton
 from .attention import attention_ref, flash_attention
 from .cache import _DTYPES, _compile_inputs, check_attend_args, check_int, pick_kernels
 from .gqa import DECODE_LOOPS, grouped_decode_launch
-from .ragged import ragged_paged_attention, ragged_paged_attention_ref
+from .ragged import RaggedPlan, ragged_paged_attention, ragged_paged_attention_ref
 
 __all__ = ["BlockAllocator", "OutOfBlocksError", "PagedKVCache", "RaggedBatch", "paged_decode_attention",
-           "paged_decode_attention_ref", "store_paged", "store_paged_ref", "block_digest"]
+           "paged_decode_attention_ref", "paged_decode_minimal", "store_paged", "store_paged_ref", "block_digest"]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -613,14 +613,23 @@ class PagedKVCache:
                                        or any(len(t) != n for t, n in zip(new_tokens, counts))):
             raise ValueError(f"reserve: new_tokens must hold {counts} token(s) for the {len(seq_ids)} "
                              f"sequence(s), got lengths {[len(t) for t in new_tokens]}")
-        need = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, counts))
+        bs = self.block_size
+        need = sum(max(0, -(-(self.lens[s] + n) // bs) - len(self.tables[s])) for s, n in zip(seq_ids, counts))
+        # copy-on-write: k sharers of one partial last block (reference count r) growing in this call copy it
+        # min(k, r - 1) times, since the last holder left writes in place
+        sharers: dict[int, int] = {}
+        for s, n in zip(seq_ids, counts):
+            last = self.tables[s][-1] if self.tables[s] else None
+            if n and self.lens[s] % bs and self.allocator.refcount[last] > 1:
+                sharers[last] = sharers.get(last, 0) + 1
+        need += sum(min(k, self.allocator.refcount[b] - 1) for b, k in sharers.items())
         if need > self.num_available:
             what = counts[0] if len(set(counts)) == 1 else counts  # one count for all: say it once
             raise OutOfBlocksError(f"appending {what} token(s) to {len(seq_ids)} sequence(s) needs {need} "
                                    f"block(s); {self.allocator.num_free} of {self.allocator.num_blocks} are free"
                                    + (f" and {len(self.cached)} cached" if self.cached else ""))
         self.evict_cached(need - self.allocator.num_free)  # room first (each eviction whole): then nothing can fail
-        bs, slots = self.block_size, []
+        slots = []
         for i, (s, n) in enumerate(zip(seq_ids, counts)):
             table, L = self.tables[s], self.lens[s]
             if n and L % bs and self.allocator.refcount[table[-1]] > 1:  # copy-on-write of a shared partial block
@@ -850,6 +859,7 @@ class RaggedBatch:
         if min(self.counts) < 1:
             raise ValueError(f"ragged: every sequence needs at least one new token, got counts {self.counts}")
         self.start = [cache.lens[s] for s in seq_ids]
+        self._plan = None  # the ragged attention's per-forward plan, made by the first layer
         self.state = "reserved"
         self.slots = cache.reserve(seq_ids, self.counts, new_tokens)  # all-or-nothing
         try:
@@ -878,14 +888,18 @@ class RaggedBatch:
         check_attend_args(layer_idx, q, k, v, n_layers=len(c.k), batch=1, n_kv_heads=H_KV, head_dim=D,
                           kv_dtype=c.k[0].dtype, batch_is="a ragged view lays its sequences end to end in one row")
         N = q.shape[2]
-        if N != int(self.cu_seqlens[-1]):
-            raise ValueError(f"the ragged view holds {int(self.cu_seqlens[-1])} new tokens, q has T={N}")
+        if N != sum(self.counts):
+            raise ValueError(f"the ragged view holds {sum(self.counts)} new tokens, q has T={N}")
         triton_kernels = c.kernels == "triton"
         k_rows = k[0].transpose(0, 1)  # (N, H_KV, D)
         v_rows = v[0].transpose(0, 1)
         (store_paged if triton_kernels else store_paged_ref)(c.k[layer_idx], c.v[layer_idx], k_rows, v_rows, self.slots)
         attn = ragged_paged_attention if triton_kernels else ragged_paged_attention_ref
-        out = attn(q[0].transpose(0, 1), c.k[layer_idx], c.v[layer_idx], self.tables, self.cu_seqlens, self.seq_lens)
+        q_rows = q[0].transpose(0, 1)  # (N, H, D)
+        args = (q_rows, c.k[layer_idx], c.v[layer_idx], self.tables, self.cu_seqlens, self.seq_lens)
+        if self._plan is None:  # checked and laid out once per forward, not once per layer
+            self._plan = RaggedPlan(*args)
+        out = attn(*args, plan=self._plan)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
 
     def commit(self):
@@ -906,6 +920,60 @@ class RaggedBatch:
             if s in c.tables:
                 c.truncate(s, L)
         self.state = "rolled back"
+
+
+# --------------------------------------------------------------------------------------------
+# The smallest paged decode kernel (chapter 05 shows it before the library's grouped one)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_minimal_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # q, o (B, H, D); pools (num_blocks, block_size, H_KV, D), K and V alike
+    table_ptr, seq_lens_ptr,  # block tables (B, max_blocks) int32; lengths (B,)
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,  # strides (D's is 1)
+    H, D, n_rep, qk_scale,  # query heads, head dim, query heads per K/V head, 1/sqrt(D) * log2(e)
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, TILE_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # 64-bit, so offsets = index * stride cannot overflow in a large pool
+    b, h = pid // H, pid % H  # one program per (sequence, query head)
+    kv_h = h // n_rep
+    seq_len = tl.load(seq_lens_ptr + b)
+    dims = tl.arange(0, TILE_D)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dims, mask=dims < D, other=0.0).to(tl.float32)
+    m_i, l_i, acc = -1.0e30, 0.0, tl.zeros((TILE_D,), dtype=tl.float32)
+    for pos0 in range(0, seq_len, TILE_N):
+        pos = pos0 + tl.arange(0, TILE_N)  # (TILE_N,) the positions of this step
+        ok = pos < seq_len
+        blk = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)  # the lookup
+        row = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ks + kv_h * stride_kh  # (TILE_N,) its slot
+        mask = ok[:, None] & (dims < D)[None, :]
+        k = tl.load(k_ptr + row[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # (TILE_N, TILE_D)
+        s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # chapter 01's online softmax, as in chapter 03's kernel
+        p, alpha = tl.exp2(s - m_new), tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + row[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i, m_i = l_i * alpha + tl.sum(p, axis=0), m_new
+    tl.store(o_ptr + b * stride_qb + h * stride_qh + dims, (acc / l_i).to(o_ptr.dtype.element_ty), mask=dims < D)
+
+
+def paged_decode_minimal(q, k_blocks, v_blocks, block_tables, seq_lens, tile_n: int = 16):
+    """Decode attention through block tables with the minimal kernel (no split-K, one program per (sequence,
+    query head)): the same result as ``paged_decode_attention_ref``."""
+    _check_paged_args(q, k_blocks, v_blocks, block_tables, seq_lens)
+    if k_blocks.stride() != v_blocks.stride() or k_blocks.stride(3) != 1 or not q.is_contiguous():
+        raise ValueError("the minimal kernel wants q contiguous and K/V pools of one layout, D innermost")
+    B, H, D = q.shape
+    block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
+    out = torch.empty_like(q)
+    tables = block_tables.to(torch.int32).contiguous()
+    _paged_decode_minimal_kernel[(B * H,)](
+        q, k_blocks, v_blocks, out, tables, seq_lens, q.stride(0), q.stride(1), k_blocks.stride(0),
+        k_blocks.stride(1), k_blocks.stride(2), tables.stride(0), H, D, H // H_KV, math.log2(math.e) / math.sqrt(D),
+        BLOCK_SIZE=block_size, TILE_N=tile_n, TILE_D=triton.next_power_of_2(D))
+    return out
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -931,12 +999,20 @@ def _store_inputs(N, dtype="fp16", block_size=16, H_KV=8, D=128, num_blocks=512)
     return pools[0], pools[1], new, new, slots
 
 
+def _minimal_decode_loop(a):
+    """What one program of the minimal kernel loads per step: a K and a V tile for its one query head, so the
+    n_rep query heads of a K/V head read the same tiles n_rep times (the grouped kernel reads them once)."""
+    return dict(bytes=2 * a["TILE_N"] * a["TILE_D"] * a["k_ptr"].element_size(), reread=a["n_rep"])
+
+
 COMPILE_SPECS = [
     *(dict(name=f"paged {dt} {H}/8 bs={bs} splits={n}", archs=(80, 90) if dt == "bf16" else (75, 80, 90),
            loops=DECODE_LOOPS, launch=lambda dt=dt, H=H, bs=bs, n=n: paged_decode_attention(
                *_paged_inputs(dt, H=H, block_size=bs), num_splits=n))
       for dt, H, bs, n in (("fp16", 32, 16, 1), ("fp16", 32, 16, 8), ("fp16", 32, 128, 1), ("fp16", 32, 128, 8),
                            ("fp16", 64, 16, 8), ("fp16", 32, 1, 8), ("bf16", 32, 16, 8), ("fp32", 32, 16, 8))),
+    dict(name="paged minimal fp16 32/8 bs=16", launch=lambda: paged_decode_minimal(*_paged_inputs("fp16", H=32, block_size=16)),
+         loops={"_paged_decode_minimal_kernel": _minimal_decode_loop}),
     dict(name="store_paged 16 tokens", launch=lambda: store_paged(*_store_inputs(16))),
     dict(name="store_paged 4096 tokens", launch=lambda: store_paged(*_store_inputs(4096))),
     dict(name="store_paged 37 tokens", launch=lambda: store_paged(*_store_inputs(37))),  # not 16-divisible

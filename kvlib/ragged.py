@@ -39,7 +39,7 @@ from .attention import _online_softmax_step, dot_on_tensor_cores
 from .cache import _DTYPES
 from .gqa import _kv_offsets
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_ref"]
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_ref", "RaggedPlan"]
 
 _INTS = (torch.int32, torch.int64)
 
@@ -119,12 +119,54 @@ def _check_ragged_args(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_le
     return cu, lens
 
 
+class RaggedPlan:
+    """What every layer of one forward shares, worked out once per step instead of once per layer.
+
+    A model with L layers calls ragged attention L times per step with the same block tables, cu_seqlens_q
+    and seq_lens; only q and the layer's pools change. The plan checks the arguments once (with their one
+    host read), and builds on first use the reference's index tensors and masks and the kernel's tile table.
+    Pass it as ``plan=`` to either function; each call still checks that q and the pools have the shapes,
+    dtype and device the plan was made for and that the index tensors are the very same objects.
+    """
+
+    def __init__(self, q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens):
+        self.cu, self.lens = _check_ragged_args(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+        self.index = (block_tables, cu_seqlens_q, seq_lens)
+        self.layout = (q.shape, k_blocks.shape, q.dtype, q.device)
+        self.groups = None  # the reference's, built on its first call
+        self.tiles = None  # the kernel's (config, tile table), built on its first call
+
+    def check(self, q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens):
+        """Raise a ValueError unless this call is one the plan was made for (cheap: no host read)."""
+        if not all(a is b for a, b in zip((block_tables, cu_seqlens_q, seq_lens), self.index)):
+            raise ValueError("plan: block_tables, cu_seqlens_q and seq_lens must be the tensors the plan was made "
+                             "from (make one RaggedPlan per forward)")
+        for name, t in (("q", q), ("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        shapes = (q.shape, k_blocks.shape, q.dtype, q.device)
+        if shapes != self.layout or v_blocks.shape != k_blocks.shape or not (
+                q.dtype == k_blocks.dtype == v_blocks.dtype) or not (q.device == k_blocks.device == v_blocks.device):
+            raise ValueError(f"plan: q {tuple(q.shape)} {q.dtype} and the pools {tuple(k_blocks.shape)}, "
+                             f"{tuple(v_blocks.shape)} must match what the plan was made for: q "
+                             f"{tuple(self.layout[0])} {self.layout[2]}, pools {tuple(self.layout[1])}, one device")
+
+
+def _plan_for(plan, q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens) -> RaggedPlan:
+    if plan is None:
+        return RaggedPlan(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+    if not isinstance(plan, RaggedPlan):
+        raise TypeError(f"plan must be a kvlib.ragged.RaggedPlan or None, got {type(plan).__name__}")
+    plan.check(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+    return plan
+
+
 # --------------------------------------------------------------------------------------------
 # the reference: one batched attention per group of sequences with the same number of new tokens
 # --------------------------------------------------------------------------------------------
 
 
-def ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens):
+def ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens, *, plan=None):
     """Each new token attends its own sequence's positions up to itself (fp32 softmax), via the block tables.
 
     Sequences with the same number of new tokens T are computed together: all decodes (T = 1) in one
@@ -141,15 +183,34 @@ def ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q
     >>> ragged_paged_attention_ref(q, k_blocks, v_blocks, tables, cu, lens)[:, 0, 0].tolist()  # a mean each
     [1.3333333730697632, 1.0, 1.0]
     """
-    cu, lens = _check_ragged_args(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+    plan = _plan_for(plan, q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+    if plan.groups is None:
+        plan.groups = _ref_groups(plan, q, k_blocks, block_tables)
     N, H, D = q.shape
-    block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
+    H_KV = k_blocks.shape[2]
+    n_rep = H // H_KV
+    out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
+    for T, G, S, blocks, pad, rows, mask in plan.groups:
+        k = k_blocks[blocks].reshape(G, S, H_KV, D).float().masked_fill(pad, 0).transpose(1, 2)
+        v = v_blocks[blocks].reshape(G, S, H_KV, D).float().masked_fill(pad, 0).transpose(1, 2)
+        # the n_rep query heads of a K/V head one above the other: (G, T, H, D) -> (G, H_KV, n_rep * T, D)
+        qg = q[rows].float().view(G, T, H_KV, n_rep, D).permute(0, 2, 3, 1, 4).reshape(G, H_KV, n_rep * T, D)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(D))  # (G, H_KV, n_rep*T, D)
+        out[rows] = o.view(G, H_KV, n_rep, T, D).permute(0, 3, 1, 2, 4).reshape(G, T, H, D).to(q.dtype)
+    return out
+
+
+def _ref_groups(plan: RaggedPlan, q, k_blocks, block_tables) -> list:
+    """The reference's layout, the same for every layer: per group of sequences with T new tokens, the blocks to
+    gather, the padding to zero, the rows of q and the additive causal mask."""
+    cu, lens = plan.cu, plan.lens
+    H, block_size, H_KV = q.shape[1], k_blocks.shape[1], k_blocks.shape[2]
     n_rep, dev = H // H_KV, q.device
-    groups: dict[int, list[int]] = {}  # new tokens T -> the sequences with T new tokens
+    by_T: dict[int, list[int]] = {}  # new tokens T -> the sequences with T new tokens
     for i in range(len(lens)):
-        groups.setdefault(cu[i + 1] - cu[i], []).append(i)
-    out = torch.empty(N, H, D, dtype=q.dtype, device=dev)
-    for T, seqs in groups.items():
+        by_T.setdefault(cu[i + 1] - cu[i], []).append(i)
+    groups = []
+    for T, seqs in by_T.items():
         G, n_blocks = len(seqs), -(-max(lens[i] for i in seqs) // block_size)  # the longest one's blocks
         S = n_blocks * block_size  # key positions, padded to whole blocks of the longest sequence
         idx = torch.tensor(seqs, device=dev)
@@ -158,20 +219,16 @@ def ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q
         blocks = block_tables[idx, :n_blocks].long().clamp_min(0)  # (G, n_blocks)
         # positions past each sequence's end (its last block's tail, stand-in block 0) may hold anything, even
         # NaN left by a failed step: zeroed, since a masked score of NaN, or 0 x NaN in P V, would still be NaN
-        pad = torch.arange(S, device=dev)[None, :] >= torch.tensor([lens[i] for i in seqs], device=dev)[:, None]
-        k = k_blocks[blocks].reshape(G, S, H_KV, D).float().masked_fill(pad[:, :, None, None], 0).transpose(1, 2)
-        v = v_blocks[blocks].reshape(G, S, H_KV, D).float().masked_fill(pad[:, :, None, None], 0).transpose(1, 2)
+        seq_len = torch.tensor([lens[i] for i in seqs], device=dev)
+        pad = (torch.arange(S, device=dev)[None, :] >= seq_len[:, None])[:, :, None, None]  # (G, S, 1, 1)
         rows = torch.tensor([cu[i] for i in seqs], device=dev)[:, None] + torch.arange(T, device=dev)  # (G, T)
-        # the n_rep query heads of a K/V head one above the other: (G, T, H, D) -> (G, H_KV, n_rep * T, D)
-        qg = q[rows].float().view(G, T, H_KV, n_rep, D).permute(0, 2, 3, 1, 4).reshape(G, H_KV, n_rep * T, D)
-        q_pos = torch.tensor([lens[i] for i in seqs], device=dev)[:, None] - T + torch.arange(T, device=dev)  # (G, T)
+        q_pos = seq_len[:, None] - T + torch.arange(T, device=dev)  # (G, T)
         # causal by absolute position, which also hides the padding past each sequence's end
         hidden = torch.arange(S, device=dev)[None, None, :] > q_pos[:, :, None]  # (G, T, S)
         # -inf added to the hidden scores; rows r * T + t of every K/V head are token t (for each head r)
         mask = torch.zeros(G, T, S, device=dev).masked_fill_(hidden, float("-inf")).repeat(1, n_rep, 1)[:, None]
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(D))  # (G, H_KV, n_rep*T, D)
-        out[rows] = o.view(G, H_KV, n_rep, T, D).permute(0, 3, 1, 2, 4).reshape(G, T, H, D).to(q.dtype)
-    return out
+        groups.append((T, G, S, blocks, pad, rows, mask))
+    return groups
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +351,7 @@ def _ragged_config(TILE_D: int, n_rep: int, longest_q: int, tensor_cores: bool, 
     return (max(group, 32), 16, 8, 2) if TILE_D <= 128 else (max(group, 16), 16, 4, 2)
 
 
-def ragged_paged_attention(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens):
+def ragged_paged_attention(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens, *, plan=None):
     """Ragged paged attention with the Triton kernel; same arguments and result as the reference.
 
     q, k_blocks, v_blocks: fp32, fp16 or bf16 (bf16 needs a GPU of compute capability >= 8.0).
@@ -310,7 +367,8 @@ def ragged_paged_attention(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, se
     >>> torch.allclose(out, ragged_paged_attention_ref(q, k, v, tables, cu, lens), atol=1e-5)
     True
     """
-    cu, lens = _check_ragged_args(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+    plan = _plan_for(plan, q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+    cu, lens = plan.cu, plan.lens
     check_kernel_dtype("ragged.ragged_paged_attention", "q", q, dot=True)
     if q.stride(2) != 1 or k_blocks.stride(3) != 1 or v_blocks.stride(3) != 1:
         raise ValueError("q, k_blocks and v_blocks must be contiguous along the head dim D (stride 1)")
@@ -318,24 +376,27 @@ def ragged_paged_attention(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, se
         raise ValueError(f"head dim D={q.shape[2]} is outside the kernel's range 1..256 (the _ref takes any D)")
     if not runtime.require_triton("ragged.ragged_paged_attention", q=q, k_blocks=k_blocks, v_blocks=v_blocks,
                                   block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens):
-        return ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens)
+        return ragged_paged_attention_ref(q, k_blocks, v_blocks, block_tables, cu_seqlens_q, seq_lens, plan=plan)
     N, H, D = q.shape
     block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
     n_rep = H // H_KV
-    counts = [cu[i + 1] - cu[i] for i in range(len(lens))]
-    TILE_D = max(16, triton.next_power_of_2(D))
-    cap = runtime.capability(q.device)
-    TILE_M, TILE_N, num_warps, num_stages = _ragged_config(TILE_D, n_rep, max(counts),
-                                                           dot_on_tensor_cores(q.dtype, q.device), runtime.INTERPRETER,
-                                                           hopper=cap is not None and cap >= (9, 0))
-    TILE_Q = TILE_M // n_rep
-    # the tile table, as vLLM builds it: program t serves tokens tile_q[t] .. + TILE_Q - 1 of sequence tile_seq[t]
-    tile_seq = [i for i, n in enumerate(counts) for _ in range(0, n, TILE_Q)]
-    tile_q = [j for n in counts for j in range(0, n, TILE_Q)]
-    tiles = torch.tensor([tile_seq, tile_q], dtype=torch.int32, device=q.device)  # (2, num_tiles): one small copy
+    if plan.tiles is None:
+        counts = [cu[i + 1] - cu[i] for i in range(len(lens))]
+        TILE_D = max(16, triton.next_power_of_2(D))
+        cap = runtime.capability(q.device)
+        TILE_M, TILE_N, num_warps, num_stages = _ragged_config(TILE_D, n_rep, max(counts),
+                                                               dot_on_tensor_cores(q.dtype, q.device), runtime.INTERPRETER,
+                                                               hopper=cap is not None and cap >= (9, 0))
+        TILE_Q = TILE_M // n_rep
+        # the tile table, as vLLM builds it: program t serves tokens tile_q[t] .. + TILE_Q - 1 of sequence tile_seq[t]
+        tile_seq = [i for i, n in enumerate(counts) for _ in range(0, n, TILE_Q)]
+        tile_q = [j for n in counts for j in range(0, n, TILE_Q)]
+        tiles = torch.tensor([tile_seq, tile_q], dtype=torch.int32, device=q.device)  # (2, num_tiles): one small copy
+        plan.tiles = (TILE_D, TILE_M, TILE_N, TILE_Q, num_warps, num_stages, tiles)
+    TILE_D, TILE_M, TILE_N, TILE_Q, num_warps, num_stages, tiles = plan.tiles
     out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
     bt, cu_t, lens_t = block_tables.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
-    _ragged_paged_attention_kernel[(len(tile_seq), H_KV)](
+    _ragged_paged_attention_kernel[(tiles.shape[1], H_KV)](
         q, k_blocks, v_blocks, out, tiles, cu_t, lens_t, bt,
         q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(2), k_blocks.stride(1),
         v_blocks.stride(0), v_blocks.stride(2), v_blocks.stride(1), out.stride(0), out.stride(1),

@@ -163,6 +163,26 @@ def test_forked_sequences_share_blocks_and_copy_on_write(model):
     assert cache.allocator.num_free == 16
 
 
+def test_sharers_growing_together_need_one_copy_less_than_there_are_sharers():
+    """a and b share a partial last block (reference count 2): growing both in one call copies it once, since the
+    second writer then holds it alone. One free block is enough, as it is one sequence at a time."""
+    cache = PagedKVCache(1, num_blocks=4, block_size=4, n_kv_heads=1, head_dim=2, kernels="torch")
+    cache.add_sequence("a", [1, 2, 3, 4, 5, 6])
+    cache.reserve(["a"], 6)
+    cache.lens["a"] = 6  # as after a forward
+    cache.fork("a", "b")
+    cache.allocator.allocate(1)  # leave one block free
+    assert cache.allocator.num_free == 1
+    slots = cache.reserve(["a", "b"], 1)
+    assert len(slots) == 2 and cache.tables["a"][1] != cache.tables["b"][1] and cache.allocator.num_free == 0
+    assert [cache.allocator.refcount[b] for b in (cache.tables["a"][1], cache.tables["b"][1])] == [1, 1]
+    cache.fork("a", "c")  # a's last block now shared by a and c, and nothing is free: a refusal that changes nothing
+    before = ({s: list(t) for s, t in cache.tables.items()}, cache.allocator.num_free)
+    with pytest.raises(OutOfBlocksError):
+        cache.reserve(["a", "c", "b"], 1)
+    assert ({s: list(t) for s, t in cache.tables.items()}, cache.allocator.num_free) == before
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("prompt_len", [8, 9, 13])  # ends on a block boundary, one past it, mid-block
 def test_prefix_caching_reuses_full_blocks(model, prompt_len):

@@ -259,3 +259,25 @@ def test_head_dim_not_contiguous_is_refused_by_the_kernel():
     with pytest.raises(ValueError, match="contiguous along the head dim"):
         ragged_paged_attention(**kw)
     assert ragged_paged_attention_ref(**kw).shape == (4, 4, 16)  # the reference takes any strides
+
+
+def test_a_plan_made_once_serves_every_layer():
+    """RaggedPlan: the checks and layout of one forward, reused by every layer (new q and pools each time) with
+    the same results as a call without a plan; a call it was not made for is refused, not answered wrongly."""
+    from kvlib.ragged import RaggedPlan
+
+    q, k, v, tables, cu, lens = make_batch([(1, 33), (1, 17), (40, 70)], 9, 3, 64, 16, seed=7)
+    plan = RaggedPlan(q, k, v, tables, cu, lens)
+    for layer in range(3):  # other values in the same shapes, as the next layer's
+        g = torch.Generator().manual_seed(layer)
+        ql, kl, vl = (torch.randn(t.shape, generator=g).to(DEV) for t in (q, k, v))
+        for fn in (ragged_paged_attention_ref, ragged_paged_attention):
+            torch.testing.assert_close(fn(ql, kl, vl, tables, cu, lens, plan=plan), fn(ql, kl, vl, tables, cu, lens))
+    with pytest.raises(ValueError, match="tensors the plan was made from"):
+        ragged_paged_attention_ref(q, k, v, tables.clone(), cu, lens, plan=plan)
+    with pytest.raises(ValueError, match="must match what the plan was made for"):
+        ragged_paged_attention_ref(q[:, :3].contiguous(), k, v, tables, cu, lens, plan=plan)
+    with pytest.raises(ValueError, match="must match what the plan was made for"):
+        ragged_paged_attention(q.half(), k.half(), v.half(), tables, cu, lens, plan=plan)
+    with pytest.raises(TypeError, match="plan must be a kvlib.ragged.RaggedPlan"):
+        ragged_paged_attention_ref(q, k, v, tables, cu, lens, plan="once")

@@ -22,8 +22,10 @@ What transformers' continuous batching needs on a CPU (read from transformers 5.
 - the attention implementation: ``attn_implementation="sdpa"`` (plain SDPA reads the paged cache
   since 5.x; the old ``"paged|sdpa"`` / ``"sdpa_paged"`` spellings are deprecated) or
   ``"paged|eager"`` (``"eager"`` is switched to it). Flash attention is tried first when installed,
-  unless ``auto_switch_to_flash=False``; on a CPU it never is. No ``cache_implementation="paged"``:
-  ``generate_batch`` always builds its own ``PagedAttentionCache``.
+  unless ``auto_switch_to_flash=False``; on a CPU it never is. ``generate_batch`` always builds its own
+  ``PagedAttentionCache``; ``generate(..., cache_implementation="paged")`` reroutes to ``generate_batch`` and
+  forwards ``continuous_batching_config`` (without one it sizes the cache to a share of free RAM: a first
+  call on SmolLM2 took about a minute on the 2-core development machine, zeroing that pool).
 - the knobs live in ``transformers.ContinuousBatchingConfig``, passed separately from the
   ``GenerationConfig``: ``page_size`` (tokens per block, default 256), ``num_blocks`` (blocks of
   ``page_size`` tokens for all layers), ``max_batch_tokens`` (query tokens per forward, default 8192)
