@@ -88,27 +88,10 @@ EXACT = {
          "shares are sums of integer ratios in a fixed order, mean running = integer sum / iterations"),
         (r"(?m)^\s*<td>\d+\.\d{3}</td>$",
          "pool_sim tables (text/html), one cell per line: the same exact shares as the text/plain rows (round(3))"),
-        (r"Contiguous reservation: \d+\.\d% of the allocated KV memory", "pool_sim utilization (pure-Python simulation)"),
-        (r"the paper's 20–40%", "a quoted range, text"),
-        (r"paged, block 16: \d+\.\d%, a waste of \d+\.\d%", "pool_sim utilization (pure-Python simulation)"),
-        (r"the paper's 4%", "a quoted figure, text"),
-        (r"on average: \d+\.\d → \d+\.\d \(\d+\.\d×\)", "pool_sim mean running = integer sum / integer iterations"),
-        (r"prefill included: [\d,]+ → [\d,]+ \(\d+\.\d× (fewer|more)\)", "ratio of two integer step counts"),
-        (r"again: \d+% of the workload's", "ratio of two integer token counts"),
-        (r"\*\*thrashing\*\*: \d+% of all the tokens", "ratio of two integer token counts"),
         (r"(?m)^0\.\d\d(\s+\d+(\.\d{3})?)+\s*\\?$",
          "watermark table rows (text/plain): the index is the watermark constant, the values pool_sim integers and "
          "shares (pure-Python simulation)"),
         (r"(?m)^\s*<th>0\.\d\d</th>$", "watermark table index (text/html): the watermark constants 0.0 .. 0.3"),
-        (r"vLLM's default watermark, 0\.01 \(", "the watermark constant"),
-        (r"watermark \d\.\d+, [\d,]+ steps \(\d+% fewer than with none\)",
-         "a watermark constant and a ratio of integer step counts"),
-        (r"at \d\.\d+, \d+ preemptions, but \d+\.\d requests run at once on average and tokens fill \d+\.\d% of the "
-         r"pool, against \d+\.\d requests and \d+\.\d% at the fastest watermark \(\d\.\d+\)",
-         "a watermark constant, pool_sim mean running (integer sum / iterations) and pool usage (pure-Python simulation)"),
-        (r"hardly moves \(\d+\.\d% → \d+\.\d%\)", "pool_sim utilization (pure-Python simulation)"),
-        (r"steps against [\d,]+ at \d\.\d+\)", "a watermark constant"),
-        (r"tokens / allocated \d+\.\d%$", "pool_sim utilization (pure-Python simulation)"),
         (r"'temperature': 0\.8", "a sampling argument, a constant"),
     ],
     "solutions/05_paged_kv_lab.ipynb": [
@@ -173,10 +156,15 @@ EXACT = {
         (r"(?m)^x\s+\[[-\d., ]+\]$", "the six float32 constants of the example, printed by tolist(): exact"),
         (r"(?m)^scale\s+\d\.\d+ = max\|x\| / 127$", "max|x| / 127 of the constants: one IEEE division, exact"),
         (r"(?m)^x_hat\s+\[[-\d., ]+\]$", "q * scale of the constants, rounded to 4 places: elementwise IEEE ops, exact"),
-        (r"(?m)^max error \d\.\d{5} <= half a step \d\.\d{5}$", "max of elementwise |x_hat - x| and scale / 2 of the constants: exact"),
-        # cell 16 (c30d9f5e)
-        (r"int8 / fp16 = \d\.\d{4} = \(D \+ 2\) / \(2D\) = \d\.\d{4} for D = 128",
-         "ratio of kv_cache_bytes integers (scales counted) and (D + 2) / (2D) in Python floats: exact"),
+        (r"(?m)^max error \d\.\d{5}, half a step \d\.\d{5}$", "max of elementwise |x_hat - x| and scale / 2 of the constants: exact"),
+        # cell 19 (c06-19): live cache bytes, integers, and their ratio (D + 2) / (2D) = 0.515625, a binary fraction
+        (r"(?m)<td>0\.515625</td>|^\s*\d+\s+\d+\s+\d+\s+0\.515625$",
+         "int8 / fp16 bytes of live caches: a ratio of integers equal to (D + 2) / (2D) for D = 64, exact in binary"),
+        (r"int8 / fp16 from the tensors: \d\.\d{4}; \(D \+ 2\) / \(2D\) for D = 64: \d\.\d{4}",
+         "the same ratio of integer byte counts, and (D + 2) / (2D) in Python floats: exact"),
+        # cell 29 (c06-29): the kernel's source, shown
+        (r"line-height: 125%|other=0\.0\)\.to\(tl\.float32\)|<span class=\"mf\">0\.0</span>|\\PY\{l\+m\+mf\}\{0\.0\}",
+         "printed source code (text, HTML and LaTeX renderings of the literal 0.0) and its CSS"),
     ],
     "notebooks/07_gqa.ipynb": [
         # cell 3 (6058199c): the REAL_MODELS table, config integers only

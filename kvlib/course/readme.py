@@ -86,12 +86,17 @@ ROWS = [
         "06_int8_kv.ipynb",
         r"greedy agreement:\s+(?P<agree>[\d.]+%).*?perplexity:\s+[\d.]+ -> [\d.]+ \((?P<ppl>[-+\d.]+%).*?"
         r"KV bytes vs fp16:\s+(?P<bytes>[\d.]+)x", "{agree}, {ppl}, {bytes}×"),
-    Row("SmolLM2, INT8 cache, ~300 held-out tokens: perplexity change, teacher-forced top-1 agreement", "06_int8_kv.ipynb",
-        r"The int8 cache changes it by \*\*(?P<ppl>[-+\d.]+%)\*\* ± (?P<se>[\d.]+%).*?agrees at "
-        r"\*\*(?P<agree>[\d.]+%)\*\*", "{ppl} ± {se}, {agree}"),
+    Row("SmolLM2, INT8 cache, ~3,000 held-out tokens: perplexity change (95% bootstrap interval), teacher-forced "
+        "top-1 agreement", "06_int8_kv.ipynb",
+        r"int8 cache \(per-token\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
+        r"(?P<hi>[-+\d.]+%)\), top-1 agreement (?P<agree>[\d.]+%)", "{ppl} ({lo} to {hi}), {agree}"),
+    Row("SmolLM2, the first source article's INT8 (one scale for K and V), ~12,000 held-out tokens: perplexity "
+        "change (95% bootstrap interval); its claim is under 1%", "06_int8_kv.ipynb",
+        r"source article \(K\+V one scale\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
+        r"(?P<hi>[-+\d.]+%)\)", "{ppl} ({lo} to {hi})"),
     Row("SmolLM2 keys, relative INT8 error: per channel vs per token", "06_int8_kv.ipynb",
-        r"on the real model, averaged over its 30 layers: on K, \*\*per-channel beats per-token\*\*: "
-        r"(?P<c>[\d.]+) vs (?P<t>[\d.]+)", "{c} vs {t}"),
+        r"SmolLM2, mean over 30 layers, K relative error: per-channel (?P<c>[\d.]+) vs per-token (?P<t>[\d.]+)",
+        "{c} vs {t}"),
     Row("tiny model, MHA → 4 / 2 / 1 K/V heads after a 100-step fine-tune vs MHA fine-tuned alike "
         "(nats/byte)", "07_gqa.ipynb",
         r"Control: the MHA model fine-tuned the same way goes from [\d.]+ to (?P<ctl>[\d.]+).*?"

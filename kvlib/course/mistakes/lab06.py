@@ -8,7 +8,7 @@ import torch
 
 from ._common import NO_SQRT_D
 
-__all__ = ['quantized_values', 'quant_scales', 'dequantize', 'int8_attention_one']
+__all__ = ['quantized_values', 'quant_scales', 'dequantize', 'int8_attention_one', 'axis_choice']
 
 # --------------------------------------------------------------------------------------------
 # Lab 06 · INT8 KV
@@ -89,3 +89,25 @@ def int8_attention_one(q, k_q, k_scale, v_q, v_scale, L):
     }
 
 
+
+
+def axis_choice(yours: dict, ref: dict, evidence) -> list[str]:
+    """Lab 06's decision (the axis along which K and V get their scales): one line for each tensor whose axis
+    differs from the reference, saying why from the evidence (``kvlib.course.ch06.axis_evidence``)."""
+    lines = []
+    for t in ("K", "V"):
+        mine, right = yours.get(t), ref[t]
+        if mine == right:
+            continue
+        if mine not in ("per-token", "per-channel"):
+            lines.append(f"{t}: {mine!r} is not one of the two axes: 'per-token' or 'per-channel'")
+            continue
+        e = evidence.loc[t]
+        ratio, err_mine, err_right = e["largest / median channel max"], e[f"{mine} error"], e[f"{right} error"]
+        if mine == "per-token":
+            lines.append(f"{t} per token: its largest channel is {ratio:.1f}x the median one, so in every token it "
+                         f"sets the row's scale and coarsens the other channels ({err_mine:.4f} vs {err_right:.4f})")
+        else:
+            lines.append(f"{t} per channel: its channels are even (largest {ratio:.1f}x the median) but its tokens are "
+                         f"not, and a small token gets the step of the largest ({err_mine:.4f} vs {err_right:.4f})")
+    return lines

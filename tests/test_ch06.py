@@ -1,0 +1,158 @@
+"""kvlib.course.ch06: the harnesses chapter 06's cells call measure what they say they measure."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvlib.course import ch06  # noqa: E402
+from kvlib.model import ModelConfig, Transformer, load_tiny  # noqa: E402
+from kvlib.quant import Int8KVCache, dequantize_int8, quantize_int8  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close():
+    yield
+    plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64)).eval()
+
+
+def test_record_kv_keeps_what_the_cache_is_given_and_changes_nothing(small):
+    ids = torch.arange(1, 12)[None]
+    rec = ch06.RecordKV()
+    with torch.no_grad():
+        out, ref = small(ids, cache=rec), small(ids)
+    ks, vs = rec.layers()
+    assert len(ks) == 2 and ks[0].shape == vs[1].shape == (2, 11, 8)  # (H_KV, T, D)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # a full-precision pass
+
+
+def test_record_real_gives_the_keys_the_cache_stores(small):
+    ids = list(range(3, 20))
+    rec = ch06.RecordKV()
+    with torch.no_grad():
+        logits = small(torch.tensor([ids]), cache=rec)[0]
+    k_pre, k_post, v, full = ch06.record_real(small, ids)
+    for i in range(2):
+        torch.testing.assert_close(k_post[i], rec.k[i], atol=1e-5, rtol=1e-5)  # hooks + apply_rope = the cached K
+        torch.testing.assert_close(v[i], rec.v[i])
+        assert not torch.allclose(k_pre[i], k_post[i])  # RoPE turned them
+    torch.testing.assert_close(full, logits, atol=1e-5, rtol=1e-5)
+    assert all(len(layer._forward_hooks) == 0 for blk in small.layers for layer in (blk.attn.wk, blk.attn.wv))
+
+
+def test_error_table_orders_granularities_on_an_outlier_channel():
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(2, 64, 16, generator=g)
+    K[:, :, 3] *= 20  # one channel large in every token
+    V = torch.randn(2, 64, 16, generator=g) * torch.rand(1, 64, 1, generator=g) * 5  # tokens of different size
+    table, per_layer = ch06.error_table([K], [V])
+    assert table.loc["per-channel", "K"] < table.loc["per-token", "K"]
+    assert table.loc["per-token", "V"] < table.loc["per-channel", "V"]
+    assert table.loc[ch06.KIVI, "K"] == table.loc["per-channel", "K"] and table.loc[ch06.KIVI, "V"] == table.loc["per-token", "V"]
+    assert table.loc[ch06.SHARED, "V"] > table.loc["per-tensor", "V"]  # V pays for K's larger max
+    q, s = quantize_int8(torch.stack([K, V]), None)
+    assert table.loc[ch06.SHARED, "K"] == pytest.approx(ch06.rel_error(K, dequantize_int8(q, s)[0]))
+
+
+def test_rope_partners_are_i_and_i_plus_half():
+    model, _ = load_tiny(device="cpu")
+    D = model.config.head_dim
+    partners = ch06.rope_partners(model, range(D))
+    assert all(partners[i] == [i % (D // 2), i % (D // 2) + D // 2] for i in range(D))
+
+
+def test_outlier_table_and_its_ratios(small):
+    k_pre, k_post, v, _ = ch06.record_real(small, list(range(2, 30)))
+    k_pre[1][0, :, 5] *= 50  # a planted outlier: layer 1, head 0, channel 5
+    table, ratios, top = ch06.outlier_table(k_pre, k_post, v)
+    assert ratios["K before RoPE"].shape == (2, 2) and int(top["K before RoPE"][1, 0]) == 5
+    assert table.loc["K before RoPE", "layer of the max"] == 1
+    assert table.loc["K before RoPE", "max over (layer, head)"] == pytest.approx(ratios["K before RoPE"].max().item())
+    assert (table["median over (layer, head)"] >= 1).all()
+
+
+def test_static_scales_from_the_same_text_never_clip():
+    model, tok = load_tiny(device="cpu")
+    rec = ch06.RecordKV()
+    with torch.no_grad():
+        model(torch.tensor([tok.encode("def f(x):\n    return x + 1\n")]), cache=rec)
+    table = ch06.static_vs_dynamic(rec, rec)
+    assert len(table) == 2 * model.config.n_layers and (table["share clipped"] == 0).all()
+
+
+def test_cache_bytes_are_the_tensors_and_the_formula(small):
+    table = ch06.cache_bytes(small, [8, 32])
+    D, L, H_KV = 8, 2, 2  # head dim 32 / 4 heads
+    assert table.loc[32, "fp16 bytes"] == 2 * L * H_KV * 32 * D * 2
+    assert table.loc[32, "int8 + scales bytes"] == 2 * L * H_KV * 32 * (D + 2)
+    assert table.loc[8, "int8 / fp16"] == pytest.approx((D + 2) / (2 * D))
+
+
+def test_fake_quant_seam_with_no_quantization_is_the_model(small):
+    ids = torch.arange(1, 10)[None]
+    with torch.no_grad():
+        out = small(ids, cache=ch06.FakeQuantKV(lambda k, v: (k, v)))
+    torch.testing.assert_close(out, small(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_scale_is_one_max_over_k_and_v_per_sequence():
+    k, v = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    v[1] *= 100  # sequence 1's V is large: it must not change sequence 0's scale
+    k_hat, v_hat = ch06.shared_scale(k, v)
+    q, s = quantize_int8(torch.stack([k[0], v[0]]), None)
+    torch.testing.assert_close(k_hat[0], dequantize_int8(q, s)[0])
+    assert s.item() == pytest.approx(torch.stack([k[0], v[0]]).abs().max().item() / 127)
+
+
+def test_perplexity_change_scores_every_window_and_brackets_its_estimate(small):
+    ids = torch.randint(0, 40, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    table, ppl = ch06.perplexity_change(small, ids, window=48, n_windows=3, block=8, n_boot=200)
+    assert list(table.index) == ["int8 cache (per-token)", "source article (K+V one scale)", "KIVI's grouping, INT8"]
+    assert (table["tokens scored"] == 3 * 47).all()
+    assert ((table["95% low %"] <= table["ppl change %"] + 1e-9) & (table["ppl change %"] <= table["95% high %"] + 1e-9)).all()
+    assert 1 < ppl < 40 * 2 and (table["top-1 agreement %"] <= 100).all()
+    some, _ = ch06.perplexity_change(small, ids, window=48, n_windows=3, schemes={"int8 cache (per-token)": 1}, block=8)
+    assert list(some.index) == ["int8 cache (per-token)"] and some["tokens scored"].iloc[0] == 47
+    assert some.loc["int8 cache (per-token)", "ppl change %"] == pytest.approx(  # the same window, the same change
+        ch06.perplexity_change(small, ids[:48], window=48, n_windows=1, block=8)[0].iloc[0]["ppl change %"])
+    with pytest.raises(ValueError, match="fewer than"):
+        ch06.perplexity_change(small, ids, window=48, n_windows=5)
+
+
+def test_our_side_of_the_tools_table_holds_the_quantized_prefix(small):
+    prefix, chunk = list(range(1, 21)), list(range(21, 29))
+    ours, exact, held = ch06._ours(small, prefix, chunk)
+    assert ours.shape == exact.shape == (8, 40)
+    assert held == 2 * 2 * 2 * 20 * (8 + 2)  # K and V, 2 layers, 2 K/V heads, 20 positions, D int8 + an fp16 scale
+    cache = Int8KVCache.for_model(small, 1, 28)
+    with torch.no_grad():
+        small(torch.tensor([prefix]), cache=cache)
+    assert (ours - exact).abs().max() > 0  # the prefix was quantized
+
+
+def test_hf_bytes_count_the_stored_tensors():
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    layer = cache_utils.Fp8QuantizedLayer()
+    k = torch.randn(1, 2, 10, 8)
+    layer.update(k, k)
+    assert ch06._hf_bytes(layer) == 2 * (k.numel() * 1 + 4)  # one fp8 byte per number, one fp32 scale per tensor
+
+
+def test_fp8_roundtrip_scales():
+    x = torch.tensor([[1.0, -3.0, 0.1], [100.0, 2.0, 0.0]])
+    assert ch06.fp8_roundtrip(x)[:, :2].abs().amax(dim=1).tolist() == pytest.approx([3.0, 100.0])  # the max survives
+    torch.testing.assert_close(ch06.fp8_roundtrip(x, "none"), x.to(torch.float8_e4m3fn).float())
+    assert ch06.fp8_roundtrip(torch.tensor([1000.0]), "none").item() == 448  # clamped to e4m3's range
+    table = ch06.fp8_table({("m", "K"): [torch.randn(2, 16, 32)]})
+    assert table.loc[("m", "K"), "fp8 / int8"] > 1 and math.isfinite(table.loc[("m", "K"), "row max / rms"])
