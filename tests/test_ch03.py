@@ -116,6 +116,33 @@ def test_gpu_reference_draws_the_committed_curves_without_targets(capsys):
     assert plt.get_fignums()  # the curves were drawn
 
 
+def test_gpu_reference_detail_names_the_conditions_and_ranges(monkeypatch):
+    """The detailed lines say which points they pool (the headline rule, dtype, D, B, lengths), give one line per
+    head layout with the min–max range, and the ratio's range below the headline sizes: computed from the rows."""
+    from kvlib import runtime
+    from kvlib.bench import results
+
+    if runtime.mode() == "gpu":
+        pytest.skip("CPU mode only")
+
+    def row(kernel, H, S, pct, ratio, headline):
+        return {"sweep": "decode", "kernel": kernel, "B": 8, "H": H, "H_KV": 8, "S": S, "D": 128, "dtype": "float16",
+                "time_ms": 1.0, "pct_copy_bw": pct, "vs_baseline": ratio, "baseline": "SDPA", "headline": headline,
+                "device": "GPU X"}
+
+    rows = [row("decode (no split)", 32, 65536, 10.0, 0.1, 1), row("decode (no split)", 32, 131072, 30.0, 0.3, 1),
+            row("decode (no split)", 64, 65536, 5.0, 0.05, 1), row("decode (no split)", 32, 1024, 2.0, 0.02, 0),
+            row("SDPA", 32, 65536, 104.0, None, 1), row("SDPA", 32, 131072, 111.0, None, 1)]
+    monkeypatch.setattr(results, "reference", lambda sweep, root=None: ("GPU X, driver 1, 2026-01-01", rows))
+    lines = ch03.gpu_reference("decode", keep=lambda k: True, detail=True)
+    assert lines[0].startswith("GPU X, 2026-01-01, headline points (K/V read ≥ 256 MB)")
+    assert "float16, D=128, B 8, S 65,536–131,072" in lines[0]
+    assert "decode (no split), 32/8 heads: 20% of copy bandwidth (10–30%), 0.20x SDPA (0.10–0.30x), 2 points" in lines
+    assert "decode (no split), 64/8 heads: 5% of copy bandwidth (5–5%), 0.05x SDPA (0.05–0.05x), 1 points" in lines
+    assert "SDPA, 32/8 heads: 108% of copy bandwidth (104–111%), 2 points" in lines
+    assert lines[-1] == "decode (no split) below the headline sizes (S 1,024): 0.02–0.02x SDPA, 1 points"
+
+
 def test_gpu_reference_without_results_says_so(monkeypatch):
     from kvlib import runtime
     from kvlib.bench import results

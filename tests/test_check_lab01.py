@@ -114,3 +114,42 @@ def test_each_wrong_count_is_named(yours, words):
 def test_the_right_count_passes(capsys):
     assert check((21, 3, 0), mistakes.hidden_counts_reference(CASES), mistakes=mistakes.hidden_counts(CASES))
     assert "PASS" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- exercise 3: masked keys ------------
+
+
+def _masked(row):
+    scores, values = row
+    masked = scores.clone()
+    masked[:9], masked[20:23] = float("-inf"), float("-inf")  # the lab's left padding and masked run
+    return masked, values
+
+
+def _notebook_update(scores, values, chunk):
+    """Notebook 01's loop as written there: no test for a chunk of masked keys."""
+    m, l, acc = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(values.shape[1])
+    for start in range(0, scores.shape[0], chunk):
+        s_c, v_c = scores[start:start + chunk], values[start:start + chunk]
+        m_new = torch.maximum(m, s_c.max())
+        alpha, p = torch.exp(m - m_new), torch.exp(s_c - m_new)
+        l, acc, m = l * alpha + p.sum(), acc * alpha + p @ v_c, m_new
+    return acc / l
+
+
+def test_masked_chunks_break_the_notebooks_update_and_the_checker_says_why(row):
+    masked, values = _masked(row)
+    yours = _notebook_update(masked, values, 3)
+    assert torch.isnan(yours).all()  # the exercise has something to decide
+    found = _diagnoses(yours, torch.softmax(masked, 0) @ values, mistakes.online_softmax(masked, values, 3))
+    assert len(found) == 1 and "exp(-inf - (-inf))" in found[0]
+
+
+def test_the_guarded_update_passes_on_masked_keys_and_the_other_mistakes_stay_distinct(row, capsys):
+    masked, values = _masked(row)
+    reference = torch.softmax(masked, 0) @ values
+    wrong = mistakes.online_softmax(masked, values, 3)
+    guarded = mistakes.lab01._online(masked, values, 3)
+    assert check(guarded, reference, name="guarded", mistakes=wrong)
+    for what, fn in wrong.items():  # every known mistake fails on these inputs and is named as itself only
+        assert _diagnoses(fn(), reference, wrong) == [what]

@@ -72,3 +72,40 @@ def test_an_unknown_letter_is_named():
 
 def test_the_diagnoses_are_one_short_line_each():
     assert all(len(reason.split()) <= 25 for reason in mistakes.exact_merges().values())
+
+
+# ---------------------------------------------------------------- exercise 6: where the new token sits ------
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    from kvlib.generate import generate_naive
+    from kvlib.model import load_tiny
+
+    model, tok = load_tiny(device="cpu")
+    prompt_ids, n = tok.encode("Return a new list containing"), 12
+    return model, prompt_ids, n, generate_naive(model, [prompt_ids], n)[0]
+
+
+@pytest.mark.parametrize("position, words", [
+    (lambda cache, T: None, "position 0"),
+    (lambda cache, T: torch.zeros(1, 1, dtype=torch.long), "position 0"),
+    (lambda cache, T: torch.full((1, 1), T, dtype=torch.long), "len(prompt_ids)"),
+])
+def test_each_usual_wrong_position_is_named(tiny_run, position, words):
+    from kvlib.cache import KVCache
+    from kvlib.course.check import check_tokens
+
+    model, prompt_ids, n, reference = tiny_run
+    with torch.no_grad():  # the learner's loop, with the position under test
+        cache = KVCache.for_model(model, 1, len(prompt_ids) + n)
+        logits = model(torch.tensor([prompt_ids]), cache=cache)[:, -1]
+        mine = []
+        for _ in range(n):
+            nxt = logits.argmax(dim=-1)
+            mine.append(int(nxt))
+            logits = model(nxt[:, None], positions=position(cache, len(prompt_ids)), cache=cache)[:, -1]
+    with pytest.raises(CheckFailed) as err:
+        check_tokens(mine, reference, mistakes=mistakes.cached_greedy(model, prompt_ids, n, reference))
+    found = [line for line in str(err.value).splitlines() if line.startswith("Diagnosis:")]
+    assert len(found) == 1 and words in found[0]

@@ -11,7 +11,8 @@ import torch
 
 __all__ = ["head_stats", "uniform_share", "strongest", "heads_to_draw", "plot_heads", "word_starts",
            "word_start_table", "effective_weights", "running_max_raises", "key_tiles_visited", "prefill_table",
-           "checked_table", "score_matrix_mib", "reference_summary", "sdpa_kernel", "ref_vs_sdpa"]
+           "checked_table", "score_matrix_mib", "reference_summary", "sdpa_kernel", "ref_vs_sdpa", "survey",
+           "show_prefill", "chunked_attention"]
 
 STATS = ("previous char", "itself", "char 0")
 
@@ -85,16 +86,23 @@ def plot_heads(weights: dict, picks, prompt: str, device: str):
     return fig
 
 
+def _start_of_word(prompt: str) -> list:
+    """The position of the first letter of the word each character belongs to (None for a space)."""
+    start_of_word = []
+    for i, c in enumerate(prompt):
+        start_of_word.append(None if c == " " else (i if i == 0 or prompt[i - 1] == " " else start_of_word[-1]))
+    return start_of_word
+
+
 def word_start_table(weights: dict, prompt: str, top: int = 5):
-    """For every head and every character at least two into its word: the mean weight on the word's first
-    letter, against what the same head gives, on average over the prompt, to any character at that distance.
+    """For every head and every character at least two into its word, the first word left out (its start is
+    character 0, the landmark, so it would mix the two patterns): the mean weight on the word's first letter,
+    against what the same head gives, on average over the prompt, to any character at that distance.
     Returns (number of such characters, DataFrame of the ``top`` heads by ratio)."""
     import pandas as pd
 
-    start_of_word = []  # the first letter of the word each character belongs to (None for a space)
-    for i, c in enumerate(prompt):
-        start_of_word.append(None if c == " " else (i if i == 0 or prompt[i - 1] == " " else start_of_word[-1]))
-    inside = [i for i, s in enumerate(start_of_word) if s is not None and i - s >= 2]
+    start_of_word = _start_of_word(prompt)
+    inside = [i for i, s in enumerate(start_of_word) if s is not None and s > 0 and i - s >= 2]
     T = len(prompt)
     rows = []
     for layer, w in sorted(weights.items()):
@@ -109,6 +117,36 @@ def word_start_table(weights: dict, prompt: str, top: int = 5):
                          "ratio": on_start[h].item() / expected[h].item()})
     table = pd.DataFrame(rows).sort_values("ratio", ascending=False).head(top).reset_index(drop=True)
     return len(inside), table
+
+
+def survey(model, tok, prompts, recorder):
+    """The measurements of section 5 on several prompts, one row each: the strongest previous-character head
+    (with RoPE, and with every token at position 0, so RoPE adds no angle between tokens), the strongest
+    character-0 head, and the head with the highest word-start ratio (first word left out). ``recorder``: a
+    class whose instances record ``weights`` {layer: (1, H, T, T)} through the model's seam. A DataFrame."""
+    import pandas as pd
+
+    def head(stats, column, u):
+        layer, h, value = strongest(stats, column)
+        return f"L{layer}H{h} {value:.2f} ({value / u:.1f}x)"
+
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt)], device=model.device)
+        rec, flat = recorder(), recorder()
+        with torch.no_grad():
+            model(ids, cache=rec)
+            model(ids, positions=torch.zeros_like(ids), cache=flat)  # every token at position 0
+        stats, u = head_stats(rec.weights), uniform_share(ids.shape[1])
+        _, ws = word_start_table(rec.weights, prompt, top=1)
+        best = ws.iloc[0]
+        rows.append({"prompt": " ".join(prompt.split()[:3]) + " ...",
+                     "previous char": head(stats, "previous char", u),
+                     "prev. char, no RoPE": head(head_stats(flat.weights), "previous char", u),
+                     "char 0": head(stats, "char 0", u),
+                     "word start": f"L{int(best['layer'])}H{int(best['head'])} {best['on the word start']:.2f}"
+                                   f" (ratio {best['ratio']:.2f})"})
+    return pd.DataFrame(rows)
 
 
 def effective_weights(scores: torch.Tensor) -> float:
@@ -193,11 +231,31 @@ def sdpa_kernel(q, k, v, **kwargs) -> list[str]:
     return names
 
 
+def chunked_attention(q, k, v, chunk: int = 64):
+    """attention_ref's computation (explicit scores, causal mask, softmax, P V, T == S) done ``chunk`` query rows
+    at a time: the same arithmetic, but the score block in memory is (chunk, S), small enough to stay in the
+    CPU's caches, instead of the whole (S, S) matrix. The control of ``ref_vs_sdpa``."""
+    import math
+
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    S = k.shape[2]
+    keys = torch.arange(S, device=q.device)
+    out = []
+    for a in range(0, q.shape[2], chunk):
+        s = q[:, :, a:a + chunk] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, chunk, S)
+        rows = torch.arange(a, min(a + chunk, q.shape[2]), device=q.device)[:, None]
+        out.append(torch.softmax(s.masked_fill(keys[None, :] > rows, float("-inf")), -1) @ v)
+    return torch.cat(out, 2)
+
+
 def ref_vs_sdpa(lengths=(256, 1024), rounds: int = 5, budget_s: float = 1.5, B: int = 1, H: int = 8, H_KV: int = 2,
                 D: int = 64) -> dict:
     """attention_ref's speed as a fraction of SDPA's (SDPA's time / attention_ref's) at each length, fp32 on this
-    device. The two are timed in turn, at least ``rounds`` times and for at least ``budget_s`` seconds per length,
-    and each keeps its fastest call: a burst of other work on a busy machine slows some calls, not the fastest."""
+    device, and the same fraction for ``chunked_attention`` (the same arithmetic, 64 query rows at a time, so
+    no S x S matrix is stored): {S: (attention_ref, chunked)}. The three are timed in turn, at least ``rounds``
+    times and for at least ``budget_s`` seconds per length, and each keeps its fastest call: a burst of other
+    work on a busy machine slows some calls, not the fastest."""
     import time
 
     import torch.nn.functional as F
@@ -210,7 +268,8 @@ def ref_vs_sdpa(lengths=(256, 1024), rounds: int = 5, budget_s: float = 1.5, B: 
         q = torch.randn(B, H, S, D, generator=g)
         k, v = torch.randn(B, H_KV, S, D, generator=g), torch.randn(B, H_KV, S, D, generator=g)
         kr, vr = k.repeat_interleave(H // H_KV, 1), v.repeat_interleave(H // H_KV, 1)
-        calls = {"ref": lambda: attention_ref(q, k, v), "sdpa": lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True)}
+        calls = {"ref": lambda: attention_ref(q, k, v), "chunked": lambda: chunked_attention(q, k, v),
+                 "sdpa": lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True)}
         best = {name: float("inf") for name in calls}
         for fn in calls.values():
             fn()  # warm-up
@@ -221,5 +280,32 @@ def ref_vs_sdpa(lengths=(256, 1024), rounds: int = 5, budget_s: float = 1.5, B: 
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
             n += 1
-        out[S] = best["sdpa"] / best["ref"]
+        out[S] = (best["sdpa"] / best["ref"], best["sdpa"] / best["chunked"])
     return out
+
+
+def show_prefill(rows):
+    """Draw the prefill sweep as ``results.show`` does (this machine's rows, the committed GPU run dashed), with
+    a title that names both shapes: the dashed curves are another dtype, head dim and head layouts. Checks
+    every row first. Returns (reference label, reference rows)."""
+    import matplotlib.pyplot as plt
+
+    from kvlib import runtime
+    from kvlib.bench import results
+
+    results._refuse_mismatches(rows)
+    label, ref_rows = (None, []) if runtime.mode() == "gpu" else results.reference("prefill")
+    fig = results.plot_sweep(rows, "prefill", reference_rows=ref_rows, reference_label=label)
+    timed = [r for r in rows if r.get("time_ms") is not None]
+
+    def shape(rs, what):
+        return ", ".join(f"{k}={'/'.join(str(x) for x in sorted({r[k] for r in rs if r.get(k) is not None}))}"
+                         for k in ("B", "D", "dtype")) + f" ({what})"
+
+    title = "prefill: " + shape(timed, "here")
+    if ref_rows:
+        title += "\ndashed: " + shape([r for r in ref_rows if r.get("time_ms") is not None], label.split(",")[0])
+    for ax in fig.axes:
+        ax.set_title(title, fontsize=9)
+    plt.show()
+    return label, ref_rows

@@ -425,10 +425,64 @@ def store_is_a_copy() -> tuple[bool, int]:
     return same, n
 
 
-def gpu_reference(sweep: str, keep) -> list[str]:
+def _span(values, fmt) -> str:
+    """'a' or 'a–b' for the sorted distinct values."""
+    vals = sorted(set(values))
+    return fmt(vals[0]) if len(vals) == 1 else f"{fmt(vals[0])}–{fmt(vals[-1])}"
+
+
+def _headline_rule(sweep: str, pts) -> str:
+    """What made these points the headline points (the rule of ``kvlib.bench.sweeps``)."""
+    from ..bench import sweeps
+
+    if sweep == "store":
+        return f"T ≥ {min(r['T'] for r in pts):,} new rows"
+    if sweep == "prefill":
+        return f"S ≥ {min(r['S'] for r in pts):,}"
+    return f"K/V read ≥ {sweeps.HEADLINE_KV_BYTES // 10**6} MB"
+
+
+def _detail_lines(rows, sweep: str, keep, label: str) -> list[str]:
+    """One line per kernel and head layout over the headline points (median and min–max of % of copy bandwidth
+    and of the ratio to the baseline), a line naming the points' conditions, and, where there are timed points
+    below the headline sizes, the ratio's range there."""
+    timed = [r for r in rows if r.get("sweep") == sweep and r.get("kernel") and keep(r["kernel"])
+             and r.get("time_ms") is not None and r.get("pct_copy_bw") is not None]
+    head = [r for r in timed if r.get("headline")]
+    if not head:
+        return []
+    size = "T" if sweep == "store" else "S"
+    lines = [f"{label}, headline points ({_headline_rule(sweep, head)}): {_span([r['dtype'] for r in head], str)}, "
+             f"D={_span([r['D'] for r in head], str)}, B {_span([r['B'] for r in head], str)}, "
+             f"{size} {_span([r[size] for r in head], lambda v: f'{v:,}')}"]
+    layouts = sorted({(r.get("H"), r.get("H_KV")) for r in head}, key=lambda x: (x[0] or 0, x[1] or 0))
+    for kernel in sorted({r["kernel"] for r in head}, key=lambda k: (k == "SDPA" or "slice" in k, k)):
+        for H, H_KV in layouts:
+            pts = [r for r in head if r["kernel"] == kernel and (r.get("H"), r.get("H_KV")) == (H, H_KV)]
+            if not pts:
+                continue
+            pct = sorted(r["pct_copy_bw"] for r in pts)
+            ratio = sorted(r["vs_baseline"] for r in pts if r.get("vs_baseline") is not None)
+            where = f", {H}/{H_KV} heads" if H and len(layouts) > 1 else ""
+            text = f"{kernel}{where}: {statistics.median(pct):.0f}% of copy bandwidth ({pct[0]:.0f}–{pct[-1]:.0f}%)"
+            if ratio:
+                text += f", {statistics.median(ratio):.2f}x {pts[0]['baseline']} ({ratio[0]:.2f}–{ratio[-1]:.2f}x)"
+            lines.append(f"{text}, {len(pts)} points")
+    small = [r for r in timed if not r.get("headline") and r.get("vs_baseline") is not None]
+    for kernel in sorted({r["kernel"] for r in small}):
+        ratio = sorted(r["vs_baseline"] for r in small if r["kernel"] == kernel)
+        sizes = _span([r[size] for r in small if r["kernel"] == kernel], lambda v: f"{v:,}")
+        lines.append(f"{kernel} below the headline sizes ({size} {sizes}): {ratio[0]:.2f}–{ratio[-1]:.2f}x "
+                     f"{small[0]['baseline']}, {len(ratio)} points")
+    return lines
+
+
+def gpu_reference(sweep: str, keep, detail: bool = False) -> list[str]:
     """CPU mode: draw the committed GPU results of ``sweep`` for the kernels ``keep(name)`` selects and return one
     short line per kernel (median % of the copy bandwidth over its headline points). GPU mode: run the sweep
-    here, draw it and return its lines the same way. No targets: they belong to the benchmarks."""
+    here, draw it and return its lines the same way. ``detail``: instead, a line naming the headline points'
+    conditions, then one line per kernel and head layout with the median and the min–max range, and the ratio's
+    range below the headline sizes. No targets: they belong to the benchmarks."""
     import matplotlib.pyplot as plt
 
     from ..bench import results, sweeps
@@ -444,6 +498,8 @@ def gpu_reference(sweep: str, keep) -> list[str]:
         results.plot_sweep([r for r in rows if r.get("kernel") and keep(r["kernel"])], sweep)
         plt.show()
         label = label.split(",")[0] + ", " + label.rsplit(",", 1)[-1].strip()  # the GPU and the date
+    if detail:
+        return _detail_lines(rows, sweep, keep, label)
     lines = []
     for row in results.headline_table(rows):
         if row["sweep"] == sweep and keep(row["kernel"]) and row["pct_copy_bw"] is not None:

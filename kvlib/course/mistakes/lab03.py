@@ -203,8 +203,12 @@ def cached_greedy(model, prompt_ids, n, reference):
         return new
 
     return {
-        "the new tokens have no positions=, so the model puts each one at position 0: pass "
-        "positions=cache.seq_lens.long()[:, None]": lambda: run(lambda cache: None),
+        "the new tokens have no positions= (or position 0), so the model puts each one at position 0: a new "
+        "token's position is the number of tokens already stored, which the cache counts": lambda: run(
+            lambda cache: None),
+        "every new token sits at position len(prompt_ids): the position must grow by one with each token "
+        "stored": lambda: run(lambda cache: torch.full((1, 1), len(prompt_ids), dtype=torch.long,
+                                                       device=cache.seq_lens.device)),
         "each new token's position is one too large (seq_lens + 1): a new token's position is the number of "
         "tokens already stored, seq_lens": lambda: run(lambda cache: cache.seq_lens.long()[:, None] + 1),
         "each new token's position is one too small (seq_lens - 1): that is the previous token's position":
