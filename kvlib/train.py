@@ -42,16 +42,19 @@ def unigram_loss(train_ids: torch.Tensor, val_ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
-    """Mean next-byte cross-entropy over up to ``max_windows`` evenly spaced windows."""
+    """Mean next-byte cross-entropy over up to ``max_windows`` evenly spaced windows (no gradients; the model
+    is left in the mode it was in)."""
+    was_training = model.training
     model.eval()
     n = (len(ids) - 1) // seq_len
     starts = torch.linspace(0, (n - 1) * seq_len, min(n, max_windows)).long()
     losses = []
-    for chunk in starts.split(16):
-        x = torch.stack([ids[s: s + seq_len] for s in chunk.tolist()])
-        y = torch.stack([ids[s + 1: s + 1 + seq_len] for s in chunk.tolist()])
-        losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum"))
-    model.train()
+    with torch.no_grad():
+        for chunk in starts.split(16):
+            x = torch.stack([ids[s: s + seq_len] for s in chunk.tolist()])
+            y = torch.stack([ids[s + 1: s + 1 + seq_len] for s in chunk.tolist()])
+            losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum"))
+    model.train(was_training)
     return float(sum(losses) / (len(starts) * seq_len))
 
 

@@ -29,7 +29,8 @@ MAX_CELL_LINES = 25
 MAX_OUTPUT_WORDS = 30
 
 # The chapters in the form; the list grows until it holds every notebook.
-FORM_CHAPTERS = ["00_setup", "01_attention", "02_naive_decoding", "03_kv_cache", "04_kv_memory", "05_paged_kv", "06_int8_kv"]
+FORM_CHAPTERS = ["00_setup", "01_attention", "02_naive_decoding", "03_kv_cache", "04_kv_memory", "05_paged_kv", "06_int8_kv",
+                 "07_gqa"]
 # A chapter being moved into the form can be checked before it joins the list:
 #   KVLIB_FORM_EXTRA=05_paged_kv pytest tests/test_form.py
 FORM_CHAPTERS += [s for s in os.environ.get("KVLIB_FORM_EXTRA", "").split(",") if s and s not in FORM_CHAPTERS]

@@ -9,7 +9,7 @@ import torch
 from ._common import GQA_MODULO
 from .lab01 import _attend_2d, _causal_mistakes
 
-__all__ = ['repeat_kv', 'gqa_attention', 'mean_pool_kv']
+__all__ = ['repeat_kv', 'gqa_attention', 'mean_pool_kv', 'kv_heads_choice']
 
 # --------------------------------------------------------------------------------------------
 # Lab 07 · GQA
@@ -54,3 +54,22 @@ def mean_pool_kv(w, n_heads, n_kv_heads, head_dim):
     }
 
 
+
+
+def kv_heads_choice():
+    """Lab 07's decision: how many K/V heads a new model (32 layers, 32 query heads of dim 128) should get so that
+    64 sequences of 8,192 tokens fit in an fp16 cache on an 80 GiB GPU after its 15 GiB of weights and a 2 GiB
+    reserve (63 GiB left; each K/V head costs 8 GiB of cache). For each wrong count, why;
+    ``kvlib.course.ch07.check_kv_heads_choice`` prints the reason for the count you chose."""
+    return {
+        32: "32 K/V heads is MHA, 256 GiB of cache: the K/V heads, not the query heads, set the cache's size",
+        16: "16 K/V heads need 128 GiB: count both K and V (the formula's factor 2), and take the weights and the "
+            "reserve off the GPU first",
+        8: "8 K/V heads need 64 GiB, 1 GiB more than the 63 GiB left once the weights (15 GiB) and the reserve "
+           "(2 GiB) are taken off; or K alone was counted, not K and V",
+        2: "2 K/V heads fit, but so do 4: was a number counted as 4 bytes? fp16 takes 2. Each K/V head given up "
+           "costs quality (chapter 07's conversion), so take the largest count that fits",
+        1: "1 K/V head (MQA) fits, but so do 2 and 4: MQA gives up the most quality; take the largest count that "
+           "fits",
+        "not a divisor": "the K/V heads must divide the 32 query heads, so that every group has the same size",
+    }

@@ -1,0 +1,107 @@
+"""kvlib.course.ch07: chapter 07's harnesses measure what the notebook says they measure."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvlib.course import ch07, figures  # noqa: E402
+from kvlib.memory import spec  # noqa: E402
+from kvlib.model import ModelConfig, Transformer  # noqa: E402
+from kvlib.train import lr_at  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close():
+    yield
+    plt.close("all")
+
+
+def gqa_model(H=6, H_KV=2, seed=0):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=32, dim=8 * H, n_layers=2, n_heads=H, n_kv_heads=H_KV,
+                                   hidden_dim=64)).eval()
+
+
+@pytest.mark.parametrize("H, H_KV", [(32, 8), (9, 3), (8, 1), (8, 8)])
+def test_schedule_bytes_count_every_load_and_write(H, H_KV):
+    D, S, b = 128, 1024, 2
+    head = 2 * S * D * b  # K and V of one head
+    moved = ch07.schedule_bytes(H, H_KV, D, S, b)
+    assert moved == {"repeat K/V": (H_KV + 2 * H) * head, "per query head": H * head, "grouped": H_KV * head}
+    assert moved["per query head"] // moved["grouped"] == H // H_KV
+    assert moved["repeat K/V"] // moved["grouped"] == 1 + 2 * H // H_KV
+
+
+def test_kind_table_names_each_config():
+    t = ch07.kind_table()
+    for _, row in t.iterrows():
+        h, g = row["h (query heads)"], row["g (K/V heads)"]
+        assert row["kind"] == ("MHA" if g == h else "MQA" if g == 1 else "GQA")
+        assert row["saving (h-g)/h"] == round((h - g) / h, 3)
+
+
+def test_kernel_errors_are_small_on_a_ragged_cache():
+    errors = ch07.kernel_errors(B=2, H=4, H_KV=2, S=20, D=16, lens=(20, 7))
+    assert len(errors) == 3 and max(errors.values()) < 1e-5
+
+
+def test_mapped_attention_with_h_div_n_rep_is_the_model_itself():
+    model = gqa_model()
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
+    right, wrong = [h // 3 for h in range(6)], [h % 2 for h in range(6)]
+    plain = ch07.next_token_scores(model, ids)
+    assert ch07.next_token_scores(model, ids, right) == pytest.approx(plain, abs=1e-5)
+    assert ch07.next_token_scores(model, ids, wrong)[0] != pytest.approx(plain[0], abs=1e-4)
+    capture = ch07.CaptureQKV(1)
+    with torch.no_grad():
+        model(ids, cache=capture)
+    q, k, v = capture.qkv
+    assert q.shape == (1, 6, 12, 8) and k.shape == v.shape == (1, 2, 12, 8)
+
+
+def test_conversion_quality_table_and_figure():
+    torch.manual_seed(0)
+    mha = Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, hidden_dim=64)).eval()
+    ids = torch.randint(0, 32, (1200,), generator=torch.Generator().manual_seed(0))
+    t = ch07.conversion_quality(mha, ids, ids, runs=((2, 1e-4), (1, 1e-4), (2, 1e-3)), control_lrs=(1e-3, 1e-4),
+                                steps=2, batch=2, seq=16, windows=2)
+    assert list(t["K/V heads"]) == [4, 4, 4, 2, 1, 2]
+    assert t.index[0].startswith("original") and t["agreement after"].iloc[0] == 1.0
+    assert math.isnan(t["fine-tune lr"].iloc[0]) and list(t["fine-tune lr"].iloc[1:]) == [1e-3, 1e-4, 1e-4, 1e-4, 1e-3]
+    orig = t["val loss after"].iloc[0]
+    assert (t["val loss before"].iloc[:3] == orig).all()  # the controls start from the original
+    assert t["after vs original (%)"].tolist() == pytest.approx((100 * (t["val loss after"] - orig) / orig).tolist())
+    fig = ch07.plot_quality(t, unigram=3.0)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert sum("after the fine-tune" in s for s in labels) == 2  # one per learning rate
+    assert sum("control" in s for s in labels) == 2
+    assert figures.figure_problems(fig) == []
+
+
+def test_tp_table_follows_get_num_kv_heads():
+    t = ch07.tp_table(spec("Llama-3-8B"), tps=(1, 8, 16))
+    assert t["K/V heads per GPU"].tolist() == [8, 1, 1]  # max(1, 8 // TP)
+    assert t["copies of each K/V head"].tolist() == [1, 1, 2]
+    per_gpu = t["KV bytes/token per GPU"]
+    assert per_gpu.loc[1] == spec("Llama-3-8B").kv_bytes_per_token("fp16") and per_gpu.loc[8] == per_gpu.loc[16]
+    assert t.loc[16, "KV bytes/token, all GPUs"] == 2 * t.loc[8, "KV bytes/token, all GPUs"]
+
+
+def test_tiny_train_log_final_lr():
+    log = ch07.tiny_train_log()
+    assert log["final_lr"] == lr_at(log["steps"], log["steps"], log["peak_lr"], 0)
+
+
+def test_hf_twin_caches_kv_heads_and_matches_logits():
+    pytest.importorskip("transformers")
+    model = gqa_model()
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(2))
+    cfg, err, k0 = ch07.hf_twin(model, ids)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (6, 2)
+    assert tuple(k0.shape) == (1, 2, 9, 8) and err < 1e-4
