@@ -1,7 +1,11 @@
 import copy
+import sys
 
+import matplotlib
 import pytest
 import torch
+
+matplotlib.use("Agg")  # every test draws off screen
 
 from kvlib import runtime
 from kvlib.model import ModelConfig, Transformer
@@ -26,3 +30,11 @@ def device_model(model):
 def model_for(model, device_model):
     """model_for(kernels): the device model for "triton" (kernels compiled on a GPU), else the CPU one."""
     return lambda kernels: device_model if kernels == "triton" else model
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Close the figures a test drew (matplotlib keeps every open figure alive until then)."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")

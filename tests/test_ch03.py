@@ -2,24 +2,14 @@
 
 Timings are not checked (they depend on the machine); what each harness computes with them is."""
 
-import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.cache import KVCache  # noqa: E402
-from kvlib.course import ch03  # noqa: E402
-from kvlib.generate import generate  # noqa: E402
-from kvlib.model import ModelConfig, Transformer, load_tiny  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.cache import KVCache
+from kvlib.course import ch03
+from kvlib.generate import generate
+from kvlib.model import ModelConfig, Transformer, load_tiny
 
 
 @pytest.fixture(scope="module")

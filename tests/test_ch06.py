@@ -2,23 +2,12 @@
 
 import math
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.course import ch06  # noqa: E402
-from kvlib.model import ModelConfig, Transformer, load_tiny  # noqa: E402
-from kvlib.quant import Int8KVCache, dequantize_int8, quantize_int8  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.course import ch06
+from kvlib.model import ModelConfig, Transformer, load_tiny
+from kvlib.quant import Int8KVCache, dequantize_int8, quantize_int8
 
 
 @pytest.fixture(scope="module")

@@ -2,24 +2,13 @@
 
 import math
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.course import ch07, figures  # noqa: E402
-from kvlib.memory import spec  # noqa: E402
-from kvlib.model import ModelConfig, Transformer  # noqa: E402
-from kvlib.train import lr_at  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.course import ch07, figures
+from kvlib.memory import spec
+from kvlib.model import ModelConfig, Transformer
+from kvlib.train import lr_at
 
 
 def gqa_model(H=6, H_KV=2, seed=0):

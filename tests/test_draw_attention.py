@@ -4,25 +4,14 @@ softmax's value; changing the tensors or the mask changes the drawing; the figur
 
 from __future__ import annotations
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kvlib  # noqa: E402,F401  (sets the mode before Triton is imported)
-from kvlib.attention import attention_ref  # noqa: E402
-from kvlib.course import figures  # noqa: E402
-from kvlib.course.draw import attention as draw  # noqa: E402
-from kvlib.course.draw import cells_with  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+import kvlib  # noqa: F401  (sets the mode before Triton is imported)
+from kvlib.attention import attention_ref
+from kvlib.course import figures
+from kvlib.course.draw import attention as draw
+from kvlib.course.draw import cells_with
 
 
 def qkv_tensors(T, D, S=None, seed=0):

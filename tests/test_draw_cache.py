@@ -3,25 +3,14 @@
 import math
 from collections import Counter
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.cache import KVCache  # noqa: E402
-from kvlib.course import figures  # noqa: E402
-from kvlib.course.draw import cache as draw_cache  # noqa: E402
-from kvlib.course.draw import cells_with  # noqa: E402
-from kvlib.model import ModelConfig, Transformer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.cache import KVCache
+from kvlib.course import figures
+from kvlib.course.draw import cache as draw_cache
+from kvlib.course.draw import cells_with
+from kvlib.model import ModelConfig, Transformer
 
 
 @pytest.fixture(scope="module")

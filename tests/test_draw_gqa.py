@@ -2,24 +2,13 @@
 
 from types import SimpleNamespace
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.course import ch07, figures  # noqa: E402
-from kvlib.course.draw import cells_with  # noqa: E402
-from kvlib.course.draw import gqa as draw_gqa  # noqa: E402
-from kvlib.model import ModelConfig, Transformer  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.course import ch07, figures
+from kvlib.course.draw import cells_with
+from kvlib.course.draw import gqa as draw_gqa
+from kvlib.model import ModelConfig, Transformer
 
 
 def config(H, H_KV):

@@ -5,27 +5,16 @@ plumbing (kvlib.course.ch04) where its arithmetic is the lesson (vLLM's capacity
 import math
 from types import SimpleNamespace
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.cache import KVCache  # noqa: E402
-from kvlib.course import ch04, figures  # noqa: E402
-from kvlib.course.draw import cells_with  # noqa: E402
-from kvlib.course.draw import memory as dm  # noqa: E402
-from kvlib.memory import GiB, REAL_MODELS, kv_cache_bytes, max_context, spec  # noqa: E402
-from kvlib.model import ModelConfig  # noqa: E402
-from kvlib.quant import Int8KVCache  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.cache import KVCache
+from kvlib.course import ch04, figures
+from kvlib.course.draw import cells_with
+from kvlib.course.draw import memory as dm
+from kvlib.memory import GiB, REAL_MODELS, kv_cache_bytes, max_context, spec
+from kvlib.model import ModelConfig
+from kvlib.quant import Int8KVCache
 
 
 def drawn_values(fig) -> list[int]:

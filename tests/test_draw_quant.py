@@ -1,23 +1,12 @@
 """kvlib.course.draw.quant: chapter 06's picture shows the groups and scales quantize_int8 really uses."""
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvlib.course import figures  # noqa: E402
-from kvlib.course.draw import cells_with  # noqa: E402
-from kvlib.course.draw import quant as draw_quant  # noqa: E402
-from kvlib.quant import quantize_int8  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.course import figures
+from kvlib.course.draw import cells_with
+from kvlib.course.draw import quant as draw_quant
+from kvlib.quant import quantize_int8
 
 
 def _patches(fig, gid):

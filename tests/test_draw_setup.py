@@ -4,25 +4,14 @@ different picture; and the figure passes the course's readability check."""
 
 from __future__ import annotations
 
-import matplotlib
+import pytest
+import torch
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kvlib  # noqa: E402,F401  (sets the mode before Triton is imported)
-from kvlib import runtime, vector_add  # noqa: E402
-from kvlib._triton import triton  # noqa: E402
-from kvlib.course import figures  # noqa: E402
-from kvlib.course.draw import cells_with, setup  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+import kvlib  # noqa: F401  (sets the mode before Triton is imported)
+from kvlib import runtime, vector_add
+from kvlib._triton import triton
+from kvlib.course import figures
+from kvlib.course.draw import cells_with, setup
 
 
 def counts(fig):

@@ -1,20 +1,10 @@
 """kvlib.course.figures: the readability check every figure of the course passes (the test command sets
 KVLIB_CHECK_FIGURES=1, so each figure a notebook shows is checked in the cell that draws it)."""
 
-import matplotlib
+import matplotlib.pyplot as plt
+import pytest
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-
-from kvlib.course import figures  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
+from kvlib.course import figures
 
 
 def test_a_log_axis_with_too_few_labels_is_named_and_fixed_by_explicit_ticks():
