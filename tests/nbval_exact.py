@@ -83,15 +83,17 @@ EXACT = {
         (r"Llama-3\.1-8B", "a model name, not a number"),
     ],
     "notebooks/05_paged_kv.ipynb": [
-        (r"(?m)^(contiguous|paged, block \d+)\s+\d+\.\d{3}\s+\d+\.\d{3}(\s+\d+)?\s*\\?$",
-         "kvlib.pool_sim results (text/plain): pure-Python integer simulation of a seeded random.Random workload; the "
-         "shares are sums of integer ratios in a fixed order, mean running = integer sum / iterations"),
+        (r"(?m)^(contiguous(, max_len \d+)?|paged, block \d+)(\s+\d+(\.\d{3})?)+\s*\\?$",
+         "kvlib.pool_sim results via ch05.server_view (text/plain): pure-Python integer simulation of a seeded "
+         "random.Random workload; the shares are sums of integer ratios in a fixed order, mean running = integer sum "
+         "/ iterations, peak = integer max / integer pool size"),
         (r"(?m)^\s*<td>\d+\.\d{3}</td>$",
          "pool_sim tables (text/html), one cell per line: the same exact shares as the text/plain rows (round(3))"),
-        (r"(?m)^0\.\d\d(\s+\d+(\.\d{3})?)+\s*\\?$",
-         "watermark table rows (text/plain): the index is the watermark constant, the values pool_sim integers and "
-         "shares (pure-Python simulation)"),
-        (r"(?m)^\s*<th>0\.\d\d</th>$", "watermark table index (text/html): the watermark constants 0.0 .. 0.3"),
+        (r"(?m)^(\d\.\d\d?|all at step 0)(\s+\d+(\.\d{3})?)+\s*\\?$",
+         "watermark and arrival-rate table rows (text/plain): the index is a watermark or arrival-rate constant, the "
+         "values pool_sim integers and shares (pure-Python simulation; the arrivals from a seeded random.Random)"),
+        (r"(?m)^\s*<th>\d\.\d\d?</th>$",
+         "watermark and arrival-rate table index (text/html): the constants 0.0 .. 0.3 and 0.25 .. 2.0"),
         (r"'temperature': 0\.8", "a sampling argument, a constant"),
     ],
     "solutions/05_paged_kv_lab.ipynb": [
@@ -167,28 +169,14 @@ EXACT = {
          "printed source code (text, HTML and LaTeX renderings of the literal 0.0) and its CSS"),
     ],
     "notebooks/07_gqa.ipynb": [
-        # cell 3 (6058199c): the REAL_MODELS table, config integers only
+        # the REAL_MODELS table, config integers only
         (r"<th>Llama-3\.1-8B</th>", "a model's name"),
         (r"<td>0\.(000|875|750|857|667)</td>", "(h - g) / h of config integers, rounded to 3 places"),
         (r"<td>((512|800|320|128|56)\.0|22\.5)</td>", "kv_bytes_per_token (an integer) / 1024"),
         (r"(?m)^\s*[A-Za-z][\w.-]*\s+\d+\s+\d+\s+(MHA|GQA|MQA)\s+\d\.\d{3}\b",
          "model, h, g, kind, (h - g) / h of config integers"),
         (r"(?m)^\s*(LLaMA|Llama|Mistral|Qwen|SmolLM)[\w.-]*\s+\d+\.\d\s*$", "model, kv_bytes_per_token (an integer) / 1024"),
-        # cell 4 (03891544)
-        (r"g=\s*\d+:\s+\d+\.\d\d GiB  \(saving \d+%\)", "kv_cache_bytes (an integer) / 2**30 and (H - g) / H of integers"),
-        # cell 6 (4305f25a)
-        (r"caches [\d,]+, \d+% fewer", "1 - ratio of two output widths (integers)"),
-        # cell 8 (dde77498)
-        (r"(?m)^\s*\d+\s+\d+\.\d MiB\s+\d+\.\d MiB\s+\d+\.\d MiB\s+\d+x vs repeat, \d+x vs per-head$",
-         "byte counts of integer arithmetic / 2**20, and their integer ratios"),
-        # cell 14 (4f6c4159)
-        (r"\*\*\d+\.\d KiB per token\*\*", "kv_cache_bytes of SmolLM2's config (an integer) / 1024"),
-        (r"would take \d+\.\d KiB, \d+x more", "kv_cache_bytes with n_heads K/V heads (an integer) / 1024, ratio of integers"),
-        # cell 26 (0831d7fe)
         (r"weights (fp16|int8) \(\s*\d+\.\d GiB\)", "int(n_params x bytes) from the model card constant / 2**30"),
-        (r"\d+\.\dx the \d+ of Llama-2-7B", "ratio of two max_batch integers"),
-        (r"INT8 \(\d\.\d\dx per token, scales included\)", "ratio of two kv_bytes_per_token integers"),
-        (r"weights take \d+% of the GPU", "weight bytes (an integer) / 80 GiB"),
     ],
     "notebooks/09_keeping_less.ipynb": [
         # cells 5 (c4ea0d18) and 25 (b5153094) print kvlib's kernel source: these are its literals, not results

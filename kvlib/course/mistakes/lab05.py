@@ -7,7 +7,8 @@ import torch
 from ._common import GQA_MODULO, NO_SQRT_D
 from .lab03 import _decode
 
-__all__ = ['allocator_step', 'slot_of', 'gather_kv', 'paged_attention_one', 'combine_blocks']
+__all__ = ['allocator_step', 'slot_of', 'slot_by_hand', 'gather_kv', 'paged_attention_one', 'combine_blocks',
+           'block_size_choice']
 
 # --------------------------------------------------------------------------------------------
 # Lab 05 · paged KV
@@ -99,6 +100,49 @@ def combine_blocks(outs, lses):
         "the weighted sum is not divided by the sum of the weights": lambda: (w * outs).sum(dim=0),
         "the weights are lse_i themselves; the weights are exp(lse_i - m)": lambda: (
             lses[..., None] * outs).sum(dim=0) / lses[..., None].sum(dim=0),
+    } if not torch.isinf(lses).any() else {
+        "a block with no valid position (lse = -inf, output NaN) has weight 0, but 0 × NaN is NaN: leave its "
+        "output out of the sum where its weight is 0": lambda: (w * outs).sum(dim=0) / w.sum(dim=0),
     }
 
 
+
+
+def slot_by_hand(table, pos, block_size, yours) -> str:
+    """Exercise 2's first question (the slot of one position, read off the picture): what a wrong number means."""
+    logical, offset = divmod(pos, block_size)
+    if yours == pos:
+        return (f"that is the position itself, as if logical block {logical} were kept in block {logical}: the pool is "
+                f"shared, and the table keeps it in physical block {table[logical]}")
+    if yours == table[logical] + offset:
+        return (f"block {table[logical]} is right, but its slots start at {table[logical]} × {block_size} = "
+                f"{table[logical] * block_size}: a block holds block_size slots")
+    if yours == table[logical] * block_size + pos:
+        return "the offset inside the block is pos % block_size, not pos (the first source article's global offset)"
+    if 0 <= logical + 1 < len(table) and yours == table[logical + 1] * block_size + offset:
+        return f"logical block pos // block_size = {logical} (counting from 0), not {logical + 1}"
+    if isinstance(yours, int) and yours // block_size == table[logical]:
+        return (f"block {table[logical]} is right, but slot {yours % block_size} inside it is not: position {pos} sits "
+                f"at pos % block_size = {offset}, counting the block's slots from 0")
+    if isinstance(yours, int) and yours % block_size == offset and yours // block_size in table:
+        entry = table.index(yours // block_size)
+        return (f"the right slot inside the block, but in table entry {entry} (block {yours // block_size}); position "
+                f"{pos} is in logical block pos // block_size = {logical}, so entry {logical}: block {table[logical]}")
+    return ""
+
+
+def block_size_choice(evidence, yours: int, ref: int, tolerance: float) -> str:
+    """Lab 05's decision (the largest block size whose mean steps over the seeds are within ``tolerance`` of the
+    fastest's): why ``yours`` is not the answer, from the simulator's evidence (a DataFrame indexed by block size)."""
+    if yours not in evidence.index:
+        return f"{yours} is not one of the candidates {list(evidence.index)}"
+    mine, best = evidence.loc[yours], evidence.loc[ref]
+    lead = "16 is vLLM's default, not the answer for every length mix; " if yours == 16 else ""
+    if yours < ref:
+        return (f"{lead}block {yours} is fast enough, but so is block {ref} ({best['vs fastest']:.1%} more steps "
+                f"than the fastest on average over the seeds, within {tolerance:.0%}), and its block tables are "
+                f"{ref // yours}× shorter: less fragmentation is not worth it once the steps are within the tolerance")
+    return (f"{lead}block {yours} took {mine['vs fastest']:.1%} more steps than the fastest on average over the seeds "
+            f"(more than {tolerance:.0%}): its partly filled last blocks waste {mine['internal fragmentation']:.1%} of "
+            f"the allocated memory, so {mine['mean running']:.1f} requests run at once against "
+            f"{best['mean running']:.1f} with block {ref}")
