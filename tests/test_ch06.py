@@ -48,7 +48,13 @@ def test_error_table_orders_granularities_on_an_outlier_channel():
     table, per_layer = ch06.error_table([K], [V])
     assert table.loc["per-channel", "K"] < table.loc["per-token", "K"]
     assert table.loc["per-token", "V"] < table.loc["per-channel", "V"]
-    assert table.loc[ch06.KIVI, "K"] == table.loc["per-channel", "K"] and table.loc[ch06.KIVI, "V"] == table.loc["per-token", "V"]
+    k_hat, v_hat = ch06.kivi_groups(K, V)  # K per channel over groups of G = 32 tokens, V per token (D = 16 < G)
+    assert table.loc[ch06.KIVI, "K"] == pytest.approx(ch06.rel_error(K, k_hat))
+    assert table.loc[ch06.KIVI, "V"] == pytest.approx(table.loc["per-token", "V"])
+    assert table.loc[ch06.KIVI, "K"] <= table.loc["per-channel", "K"] + 1e-9  # a smaller group never has a larger step
+    b = table["scale bytes per number"]
+    assert b["per-token"] == pytest.approx(2 / 16) and b["per-channel"] == pytest.approx(2 / 64)
+    assert b[ch06.KIVI] == pytest.approx((2 / 32 + 2 / 16) / 2)
     assert table.loc[ch06.SHARED, "V"] > table.loc["per-tensor", "V"]  # V pays for K's larger max
     q, s = quantize_int8(torch.stack([K, V]), None)
     assert table.loc[ch06.SHARED, "K"] == pytest.approx(ch06.rel_error(K, dequantize_int8(q, s)[0]))
@@ -69,6 +75,34 @@ def test_outlier_table_and_its_ratios(small):
     assert table.loc["K before RoPE", "layer of the max"] == 1
     assert table.loc["K before RoPE", "max over (layer, head)"] == pytest.approx(ratios["K before RoPE"].max().item())
     assert (table["median over (layer, head)"] >= 1).all()
+
+
+def test_kivi_groups_are_per_channel_over_g_tokens_and_per_token_over_g_channels():
+    g = torch.Generator().manual_seed(2)
+    K, V = torch.randn(2, 70, 40, generator=g), torch.randn(2, 70, 40, generator=g)
+    k_hat, v_hat = ch06.kivi_groups(K, V, G=32)
+    torch.testing.assert_close(k_hat[:, 32:64], ch06.roundtrip(K[:, 32:64], 1))  # the second group of tokens alone
+    torch.testing.assert_close(k_hat[:, 64:], ch06.roundtrip(K[:, 64:], 1))  # the short last group
+    torch.testing.assert_close(v_hat[..., 32:], ch06.roundtrip(V[..., 32:], -1))  # channels 32..39 of each token
+    bytes_ = ch06.scale_bytes(2, 70, 40, G=32)
+    assert bytes_[ch06.KIVI] == pytest.approx((2 * 2 * 3 * 40 + 2 * 2 * 70 * 2) / (2 * 2 * 70 * 40))
+
+
+def test_shared_scale_per_token_is_one_max_per_token_over_k_v_and_heads():
+    k, v = torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
+    v[0, 1, 2] *= 100  # token 2 of sequence 0 is large in V, head 1: only that token's scale changes
+    k_hat, v_hat = ch06.shared_scale_per_token(k, v)
+    for b, t in ((0, 2), (0, 3), (1, 2)):
+        both = torch.stack([k[b, :, t], v[b, :, t]])
+        q, s = quantize_int8(both, None)
+        torch.testing.assert_close(k_hat[b, :, t], dequantize_int8(q, s)[0])
+        torch.testing.assert_close(v_hat[b, :, t], dequantize_int8(q, s)[1])
+
+
+def test_wilson_interval():
+    lo, hi = ch06.wilson(197, 200)
+    assert lo == pytest.approx(0.9568, abs=1e-4) and hi == pytest.approx(0.9949, abs=1e-4)
+    assert ch06.wilson(0, 10)[0] == pytest.approx(0, abs=1e-12) and ch06.wilson(10, 10)[1] == pytest.approx(1)
 
 
 def test_static_scales_from_the_same_text_never_clip():
@@ -104,30 +138,58 @@ def test_shared_scale_is_one_max_over_k_and_v_per_sequence():
     assert s.item() == pytest.approx(torch.stack([k[0], v[0]]).abs().max().item() / 127)
 
 
-def test_perplexity_change_scores_every_window_and_brackets_its_estimate(small):
+def test_perplexity_change_scores_every_scheme_on_the_same_tokens(small):
     ids = torch.randint(0, 40, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    table, ppl = ch06.perplexity_change(small, ids, window=48, n_windows=3, block=8, n_boot=200)
-    assert list(table.index) == ["int8 cache (per-token)", "source article (K+V one scale)", "KIVI's grouping, INT8"]
-    assert (table["tokens scored"] == 3 * 47).all()
-    assert ((table["95% low %"] <= table["ppl change %"] + 1e-9) & (table["ppl change %"] <= table["95% high %"] + 1e-9)).all()
-    assert 1 < ppl < 40 * 2 and (table["top-1 agreement %"] <= 100).all()
-    some, _ = ch06.perplexity_change(small, ids, window=48, n_windows=3, schemes={"int8 cache (per-token)": 1}, block=8)
-    assert list(some.index) == ["int8 cache (per-token)"] and some["tokens scored"].iloc[0] == 47
-    assert some.loc["int8 cache (per-token)", "ppl change %"] == pytest.approx(  # the same window, the same change
-        ch06.perplexity_change(small, ids[:48], window=48, n_windows=1, block=8)[0].iloc[0]["ppl change %"])
-    with pytest.raises(ValueError, match="fewer than"):
-        ch06.perplexity_change(small, ids, window=48, n_windows=5)
+    names = [ch06.INT8_CACHE, ch06.SOURCE_TOKEN, ch06.SOURCE_WINDOW]
+    table, ppl = ch06.perplexity_change(small, ids, window=49, windows=[0, 2], schemes=names, block=8,
+                                        paired=[(ch06.SOURCE_WINDOW, ch06.INT8_CACHE)], n_boot=200)
+    assert list(table.index) == names + [f"{ch06.SOURCE_WINDOW} vs {ch06.INT8_CACHE}"]
+    assert (table["tokens scored"] == 2 * 48).all()  # every scheme, and the paired row, on the same tokens
+    lo, mid, hi = table["95% low %"].astype(float), table["ppl change %"].astype(float), table["95% high %"].astype(float)
+    assert ((lo <= mid + 1e-9) & (mid <= hi + 1e-9)).all()
+    assert set(table["interval vs"]) <= {"below 1%", "above 1%", "contains 1%", "below 0%", "above 0%", "contains 0%"}
+    assert 1 < ppl < 40 * 2 and (table.loc[names, "greedy agreement %"].astype(float) <= 100).all()
+    one, _ = ch06.perplexity_change(small, ids, window=49, windows=[2], schemes=[ch06.SOURCE_WINDOW], block=8)
+    alone, _ = ch06.perplexity_change(small, ids[98:147], window=49, windows=[0], schemes=[ch06.SOURCE_WINDOW], block=8)
+    assert one.iloc[0]["ppl change %"] == pytest.approx(alone.iloc[0]["ppl change %"])  # window 2 is ids[98:147]
+    pair = table.iloc[-1]["ppl change %"]
+    a, b = table.loc[ch06.SOURCE_WINDOW, "ppl change %"], table.loc[ch06.INT8_CACHE, "ppl change %"]
+    assert pair == pytest.approx(100 * ((1 + a / 100) / (1 + b / 100) - 1))  # a paired ratio of perplexities
+    with pytest.raises(ValueError, match="tile"):
+        ch06.perplexity_change(small, ids, window=48, windows=[0], schemes=names, block=8)  # 47 scored: no tiling
 
 
 def test_our_side_of_the_tools_table_holds_the_quantized_prefix(small):
     prefix, chunk = list(range(1, 21)), list(range(21, 29))
-    ours, exact, held = ch06._ours(small, prefix, chunk)
-    assert ours.shape == exact.shape == (8, 40)
+    ours, chunk_exact, exact, held = ch06._ours(small, prefix, chunk)
+    assert ours.shape == chunk_exact.shape == exact.shape == (8, 40)
     assert held == 2 * 2 * 2 * 20 * (8 + 2)  # K and V, 2 layers, 2 K/V heads, 20 positions, D int8 + an fp16 scale
-    cache = Int8KVCache.for_model(small, 1, 28)
+    assert (ours - exact).abs().max() > 0 and (chunk_exact - exact).abs().max() > 0  # the prefix was quantized
+    assert (ours - chunk_exact).abs().max() > 0  # and the chunk's own rows only in the first
+
+
+def test_prefix_then_chunk_with_an_exact_prefix_is_the_model(small):
+    from kvlib.cache import KVCache
+    ids = list(range(1, 21))
+    full = KVCache.for_model(small, 1, 20)
     with torch.no_grad():
-        small(torch.tensor([prefix]), cache=cache)
-    assert (ours - exact).abs().max() > 0  # the prefix was quantized
+        ref = small(torch.tensor([ids]))[0, 12:]
+        small(torch.tensor([ids[:12]]), cache=full)
+        seam = ch06._PrefixThenChunk([k[:, :, :12] for k in full.k], [v[:, :, :12] for v in full.v])
+        out = small(torch.tensor([ids[12:]]), positions=torch.arange(12, 20)[None], cache=seam)[0]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # causal over the chunk, all of the prefix
+
+
+def test_gpu_reference_names_the_points_of_its_medians():
+    from kvlib.bench import results
+
+    lines = ch06.gpu_reference("int8")
+    if lines in ([], [results.NO_REFERENCE]):
+        pytest.skip("no committed int8 results")
+    assert any("float16 decode" in line and "copy bandwidth" in line for line in lines)  # fp16's own share
+    assert lines[-1].startswith("headline points (B, S): ")
+    n = int(next(line for line in lines if line.startswith("int8 decode")).rsplit(", ", 1)[-1].split()[0])
+    assert lines[-1].count("(") - 1 == n  # as many named points as the median uses
 
 
 def test_hf_bytes_count_the_stored_tensors():

@@ -41,6 +41,14 @@ def test_the_marked_number_is_the_one_that_sets_each_scale():
     assert all(f"{s:.3f}" in texts for s in scales)  # the scales drawn are quantize_int8's
 
 
+def test_the_per_channel_scales_are_written_too():
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
+    fig = draw_quant.groups(x, {"per channel": 0})
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    scales = quantize_int8(x, 0)[1].flatten().tolist()
+    assert len(scales) == 7 and all(f"{s:.3f}" in texts for s in scales)
+
+
 def test_the_drawing_changes_with_the_tensor():
     x = torch.randn(3, 8)
     before = cells_with(draw_quant.groups(x, {"per channel": 0}), "scale")

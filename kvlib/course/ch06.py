@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import runtime
 from ..cache import KVCache
 from ..model import apply_rope
 from ..quant import Int8KVCache, dequantize_int8, quantize_int8, store_kv_int8_ref
@@ -31,11 +32,14 @@ __all__ = ["RecordKV", "rel_error", "roundtrip", "GRANULARITY", "SHARED", "KIVI"
            "rope_partners", "plot_channel_max", "record_real", "outlier_table", "plot_real_outliers",
            "static_vs_dynamic", "cache_bytes", "FakeQuantKV", "SCHEMES", "shared_scale", "kivi_granularity", "heldout_ids",
            "perplexity_change", "free_running", "hf_side_by_side", "fp8_roundtrip", "fp8_table",
-           "gpu_reference", "axis_evidence", "check_axis_choice"]
+           "gpu_reference", "axis_evidence", "check_axis_choice", "KIVI_G", "kivi_groups", "scale_bytes",
+           "shared_scale_per_token", "INT8_CACHE", "SOURCE_TOKEN", "SOURCE_WINDOW", "OURS_QUANT", "OURS_EXACT",
+           "wilson", "record_kv"]
 
 GRANULARITY = {"per-tensor": None, "per-head": (1, 2), "per-token": -1, "per-channel": 1}  # for (H_KV, T, D)
 SHARED = "per-tensor, K and V together (the source article)"
-KIVI = "KIVI's grouping, INT8 (K per-channel, V per-token)"
+KIVI_G = 32  # KIVI's group size: keys per channel over G tokens, values per token over G channels
+KIVI = f"KIVI's groups, INT8, G = {KIVI_G} (K per channel over G tokens, V per token over G channels)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,6 +65,16 @@ class RecordKV:
         return [self.k[i] for i in sorted(self.k)], [self.v[i] for i in sorted(self.v)]
 
 
+@torch.no_grad()
+def record_kv(model, ids):
+    """K (as cached: after RoPE) and V of every layer for ``ids``, through the cache seam: (list of K, list of V),
+    one (H_KV, T, D) fp32 CPU tensor per layer."""
+    rec = RecordKV()
+    model(torch.tensor([ids], device=model.device), cache=rec)
+    k, v = rec.layers()
+    return [x.float().cpu() for x in k], [x.float().cpu() for x in v]
+
+
 def rel_error(x, x_hat) -> float:
     return ((x_hat - x).norm() / x.norm()).item()
 
@@ -69,24 +83,42 @@ def roundtrip(x, dim):
     return dequantize_int8(*quantize_int8(x, dim))
 
 
+def kivi_groups(K, V, G: int = KIVI_G):
+    """KIVI's grouping in symmetric INT8 (Liu et al., 2024): K (H_KV, T, D) per channel over each group of G
+    consecutive tokens, V per token over each group of G channels (the last group may be shorter)."""
+    k_hat = torch.cat([roundtrip(k, 1) for k in K.split(G, dim=1)], dim=1)
+    v_hat = torch.cat([roundtrip(v, -1) for v in V.split(G, dim=-1)], dim=-1)
+    return k_hat, v_hat
+
+
+def scale_bytes(H: int, T: int, D: int, G: int = KIVI_G) -> dict:
+    """Bytes of fp16 scales per stored number of a (H_KV, T, D) tensor, at each granularity (exact: 2 bytes per
+    scale over the numbers the scale serves; the source article's one scale serves K and V)."""
+    n = H * T * D
+    return {SHARED: 2 / (2 * n), "per-tensor": 2 / n, "per-head": 2 * H / n, "per-token": 2 * H * T / n,
+            "per-channel": 2 * H * D / n, KIVI: (2 * H * math.ceil(T / G) * D + 2 * H * T * math.ceil(D / G)) / (2 * n)}
+
+
 def _granularity_errors(K, V) -> dict:
     """Relative error of K and V, both (H_KV, T, D), at each granularity -> {granularity: (K error, V error)}."""
     both = roundtrip(torch.stack([K, V]), None)  # the source article: one max over K and V
     out = {SHARED: (rel_error(K, both[0]), rel_error(V, both[1]))}
     for name, dim in GRANULARITY.items():
         out[name] = (rel_error(K, roundtrip(K, dim)), rel_error(V, roundtrip(V, dim)))
-    out[KIVI] = (out["per-channel"][0], out["per-token"][1])
+    k_hat, v_hat = kivi_groups(K, V)
+    out[KIVI] = (rel_error(K, k_hat), rel_error(V, v_hat))
     return out
 
 
 def error_table(layers_k, layers_v):
-    """Mean over layers of each granularity's relative error -> (DataFrame: K, V, mean of K and V; per-layer
-    dicts)."""
+    """Mean over layers of each granularity's relative error -> (DataFrame: K, V, mean of K and V, scale bytes
+    per number; per-layer dicts)."""
     import pandas as pd
 
     per_layer = [_granularity_errors(k, v) for k, v in zip(layers_k, layers_v)]
     table = pd.DataFrame({g: np.mean([e[g] for e in per_layer], axis=0) for g in per_layer[0]}, index=["K", "V"]).T
     table["mean of K and V"] = table[["K", "V"]].mean(axis=1)
+    table["scale bytes per number"] = pd.Series(scale_bytes(*layers_k[0].shape))
     return table, per_layer
 
 
@@ -195,8 +227,9 @@ def plot_real_outliers(k_pre, k_post, v, layer: int, head: int):
 
 
 def static_vs_dynamic(rec: RecordKV, calib: RecordKV):
-    """Static per-channel scales calibrated on ``calib``'s text vs dynamic per-token scales, on ``rec``'s text:
-    relative error of each and the share of values clipped by the static scales, per (layer, tensor)."""
+    """Static per-channel scales calibrated on ``calib``'s text vs dynamic per-channel (the same groups, scales
+    from the text itself) and dynamic per-token scales, on ``rec``'s text: relative error of each and the share of
+    values clipped by the static scales, per (layer, tensor)."""
     import pandas as pd
 
     rows = []
@@ -207,6 +240,7 @@ def static_vs_dynamic(rec: RecordKV, calib: RecordKV):
             x_static = torch.clamp(torch.round(X / s_static), -127, 127) * s_static
             rows.append({"layer": layer, "tensor": name, "static per-channel": rel_error(X, x_static),
                          "share clipped": (X.abs() > calibrated).float().mean().item(),
+                         "dynamic per-channel": rel_error(X, roundtrip(X, 1)),
                          "dynamic per-token": rel_error(X, roundtrip(X, -1))})
     return pd.DataFrame(rows).set_index(["layer", "tensor"])
 
@@ -233,7 +267,9 @@ def cache_bytes(model, lengths):
 
 class FakeQuantKV:
     """The cache seam (chapter 03): quantize a layer's whole K and V with ``fn(k, v)``, then causal attention over
-    the result. Every scale sees the whole text at once: a best case that a cache filled token by token lacks."""
+    the result. ``fn`` sees the whole window at once: a scale over many tokens is the coarsest group a cache could
+    use (it could apply it only after a prompt, to all of it); a scale per token is what a cache storing each token
+    as it arrives computes, and its result here is the same as storing token by token."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -246,14 +282,24 @@ class FakeQuantKV:
 
 
 def shared_scale(k, v):
-    """The first source article's INT8: one scale for a layer's K and V together, per sequence."""
+    """The first source article's ``quantize_kv`` applied once per window: one scale for a layer's K and V
+    together over every token of the sequence."""
     out = [roundtrip(torch.stack([k[b], v[b]]), None) for b in range(k.shape[0])]
     return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out])
 
 
+def shared_scale_per_token(k, v):
+    """The first source article's ``quantize_kv`` applied to each token as it is stored: one scale per (layer,
+    token), shared by that token's K and V and all K/V heads. k, v: (B, H_KV, T, D)."""
+    amax = torch.maximum(k.abs().amax(dim=(1, 3), keepdim=True), v.abs().amax(dim=(1, 3), keepdim=True))
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # (B, 1, T, 1)
+    return torch.round(k / scale).clamp(-127, 127) * scale, torch.round(v / scale).clamp(-127, 127) * scale
+
+
 def kivi_granularity(k, v):
-    """Keys per channel (over tokens), values per token, each sequence on its own."""
-    return roundtrip(k, 2), roundtrip(v, -1)
+    """KIVI's groups (``kivi_groups``), each sequence on its own. k, v: (B, H_KV, T, D)."""
+    out = [kivi_groups(k[b], v[b]) for b in range(k.shape[0])]
+    return torch.stack([o[0] for o in out]), torch.stack([o[1] for o in out])
 
 
 def heldout_ids(tok, val_text: str, eos_id: int) -> list[int]:
@@ -275,40 +321,67 @@ def _window_nll(model, x, make_cache, per_call: int = 2):
     return torch.cat(nll), torch.cat(top)
 
 
-SCHEMES = {"int8 cache (per-token)": lambda model, B, T: Int8KVCache.for_model(model, B, T),
-           "source article (K+V one scale)": lambda model, B, T: FakeQuantKV(shared_scale),
-           "KIVI's grouping, INT8": lambda model, B, T: FakeQuantKV(kivi_granularity)}
+INT8_CACHE = "int8 cache (per token and head)"
+SOURCE_TOKEN = "source article, one K+V scale per stored token"
+SOURCE_WINDOW = "source article, one K+V scale per 512-token window"
+SCHEMES = {INT8_CACHE: lambda model, B, T: Int8KVCache.for_model(model, B, T),
+           SOURCE_TOKEN: lambda model, B, T: FakeQuantKV(shared_scale_per_token),
+           SOURCE_WINDOW: lambda model, B, T: FakeQuantKV(shared_scale),
+           "KIVI's groups, INT8": lambda model, B, T: FakeQuantKV(kivi_granularity)}
 
 
-def perplexity_change(model, ids, window: int, n_windows: int, schemes=None, block: int = 64,
+def _block_means(d, block: int):
+    """d (windows, scored) -> (windows * scored / block,) means of consecutive blocks that tile every window."""
+    if d.shape[1] % block:
+        raise ValueError(f"blocks of {block} do not tile {d.shape[1]} scored tokens per window")
+    return d.reshape(-1, block).mean(dim=1)
+
+
+def _interval_row(d, pick, ref: float, agree=None) -> dict:
+    """Change of perplexity of per-token NLL differences d (windows, scored), the 95% bootstrap interval from the
+    block resampling ``pick`` (n_boot, n_blocks) of ``_block_means``, and where the interval lies against ``ref``."""
+    block = d.shape[1] // (pick.shape[1] // d.shape[0])
+    boot = torch.expm1(_block_means(d, block)[pick].mean(dim=1)) * 100
+    lo, hi = boot.quantile(0.025).item(), boot.quantile(0.975).item()
+    where = f"below {ref:g}%" if hi < ref else f"above {ref:g}%" if lo > ref else f"contains {ref:g}%"
+    return {"ppl change %": 100 * math.expm1(d.mean().item()), "95% low %": lo, "95% high %": hi,
+            "interval vs": where, "greedy agreement %": agree, "tokens scored": d.numel()}
+
+
+def perplexity_change(model, ids, window: int, windows, schemes, block: int, paired=(), claim: float = 1.0,
                       n_boot: int = 2000, seed: int = 0):
-    """Teacher-forced perplexity of ``n_windows`` consecutive windows of ``window`` tokens, without a cache and
-    through each quantized scheme in ``schemes``: {key of ``SCHEMES``: how many of the windows it scores (None: all)}
-    (default: every scheme on every window). Per scheme: the change of perplexity, a 95% bootstrap interval over
-    blocks of ``block`` consecutive scored tokens (resampled with replacement), the share of positions whose argmax
-    is unchanged and the tokens scored. Returns (DataFrame, full-precision perplexity over all windows)."""
+    """Teacher-forced perplexity on the windows ``windows`` (indices of consecutive ``window``-token windows of ids),
+    without a cache and through each of ``schemes`` (keys of ``SCHEMES``), every scheme on the same tokens. Per
+    scheme: the change of perplexity against no cache, a 95% bootstrap interval over blocks of ``block``
+    consecutive scored tokens that tile every window (the same resampled blocks for every scheme), where it lies
+    against ``claim`` %, the share of positions whose argmax is unchanged (teacher-forced greedy agreement) and
+    the tokens scored. ``paired``: (a, b) pairs, each a row of a's perplexity relative to b's on the same tokens
+    (interval against 0). Returns (DataFrame, full-precision perplexity)."""
     import pandas as pd
 
-    if len(ids) < window * n_windows:
-        raise ValueError(f"{len(ids)} tokens hold fewer than {n_windows} windows of {window}")
-    x = torch.tensor([ids[i * window:(i + 1) * window] for i in range(n_windows)], device=model.device)
+    x = torch.tensor([ids[i * window:(i + 1) * window] for i in windows], device=model.device)
     nll_full, top_full = _window_nll(model, x, None)
-    gen, rows = torch.Generator().manual_seed(seed), {}
-    for name, n in (schemes or dict.fromkeys(SCHEMES)).items():
-        n = n_windows if n is None else min(n, n_windows)
-        nll, top = _window_nll(model, x[:n], lambda batch, name=name: SCHEMES[name](model, batch, window))
-        d = nll - nll_full[:n]  # (n, window - 1) per-token cost in nats
-        n_blocks = d.shape[1] // block
-        blocks = d[:, : n_blocks * block].reshape(-1, block).mean(dim=1)  # (n_windows * n_blocks,)
-        pick = torch.randint(len(blocks), (n_boot, len(blocks)), generator=gen)
-        boot = torch.expm1(blocks[pick].mean(dim=1)) * 100
-        rows[name] = {"ppl change %": 100 * math.expm1(d.mean().item()),
-                      "95% low %": boot.quantile(0.025).item(), "95% high %": boot.quantile(0.975).item(),
-                      "top-1 agreement %": 100 * (top == top_full[:n]).float().mean().item(),
-                      "tokens scored": d.numel()}
+    n_blocks = len(windows) * (window - 1) // block
+    pick = torch.randint(n_blocks, (n_boot, n_blocks), generator=torch.Generator().manual_seed(seed))
+    nll, rows = {}, {}
+    for name in schemes:
+        nll[name], top = _window_nll(model, x, lambda batch, name=name: SCHEMES[name](model, batch, window))
+        agree = 100 * (top == top_full).float().mean().item()
+        rows[name] = _interval_row(nll[name] - nll_full, pick, claim, agree)
+    for a, b in paired:
+        rows[f"{a} vs {b}"] = _interval_row(nll[a] - nll[b], pick, 0.0)
     table = pd.DataFrame(rows).T
+    for col in ("ppl change %", "95% low %", "95% high %", "greedy agreement %"):
+        table[col] = table[col].astype(float)  # None (a paired row's agreement) becomes NaN
     table["tokens scored"] = table["tokens scored"].astype(int)
     return table, math.exp(nll_full.mean().item())
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a rate k/n (Wilson, 1927): (low, high), both in [0, 1]."""
+    p = k / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
 
 
 def free_running(model, prompts, n: int) -> list:
@@ -342,57 +415,93 @@ def _hf_bytes(layer) -> int:
     return total
 
 
+class _PrefixThenChunk:
+    """The cache seam for one chunk after a stored prefix: the prefix's K/V as given (per layer, (1, H_KV, P, D)),
+    the chunk's own K/V exact, as transformers' integer backends return them; causal over the chunk."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def attend(self, layer, q, k, v):
+        P, T = self.k[layer].shape[2], q.shape[2]
+        k, v = torch.cat([self.k[layer], k.to(self.k[layer].dtype)], 2), torch.cat([self.v[layer], v.to(self.v[layer].dtype)], 2)
+        mask = torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(diagonal=P)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1).to(q.dtype), v.repeat_interleave(n_rep, dim=1).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 @torch.no_grad()
 def _ours(model, prefix, chunk):
-    """Our int8 cache on the same schedule as transformers': the prefix's K/V computed in full precision, then
-    quantized per token into an Int8KVCache; the chunk attends over it (its own rows quantized too)."""
-    full = KVCache.for_model(model, 1, len(prefix) + len(chunk))
+    """Our int8 cache on transformers' schedule: the prefix's K/V computed in full precision, then quantized per
+    token into an Int8KVCache; the chunk attends over it either through the Int8KVCache (its own rows quantized
+    too) or with its own rows exact. -> (logits chunk quantized, logits chunk exact, exact logits, bytes held)."""
+    P, n = len(prefix), len(prefix) + len(chunk)
+    full = KVCache.for_model(model, 1, n)
     model(torch.tensor([prefix], device=model.device), cache=full)
-    q8 = Int8KVCache.for_model(model, 1, len(prefix) + len(chunk))
+    q8 = Int8KVCache.for_model(model, 1, n)
     start = torch.zeros(1, dtype=torch.long, device=model.device)
-    P = len(prefix)
     for i in range(model.config.n_layers):
         store_kv_int8_ref(q8.k[i], q8.k_scale[i], q8.v[i], q8.v_scale[i], full.k[i][:, :, :P], full.v[i][:, :, :P], start)
     q8.seq_lens[:] = P
     held = sum(t[:, :, :P].nbytes for t in q8.k + q8.v + q8.k_scale + q8.v_scale)
-    chunk_t = torch.tensor([chunk], device=model.device)
-    positions = torch.arange(P, P + len(chunk), device=model.device)[None]
-    exact = model(chunk_t, positions=positions, cache=full)[0].float()
-    return model(chunk_t, positions=positions, cache=q8)[0].float(), exact, held
+    deq = [[dequantize_int8(x[:, :, :P], s[:, :, :P, None]) for x, s in zip(xs, ss)]
+           for xs, ss in ((q8.k, q8.k_scale), (q8.v, q8.v_scale))]
+    c, pos = torch.tensor([chunk], device=model.device), torch.arange(P, n, device=model.device)[None]
+    exact = model(c, positions=pos, cache=full)[0].float()
+    chunk_exact = model(c, positions=pos, cache=_PrefixThenChunk(*deq))[0].float()
+    return model(c, positions=pos, cache=q8)[0].float(), chunk_exact, exact, held
+
+
+OURS_QUANT = "kvlib Int8KVCache (INT8, fp16 scale per token and head)"
+OURS_EXACT = "kvlib Int8KVCache's prefix, chunk's own K/V exact"
 
 
 @torch.no_grad()
-def hf_side_by_side(hf, model, prefix, chunk, backends):
-    """The prefix through each cache (stored quantized), then the chunk in one forward attending over it.
-    ``backends``: {name: QuantizedCache kwargs}. Rows: bytes of the stored prefix per cached number, the
-    largest logit difference and the top-1 agreement on the chunk against the same model with an exact cache."""
+def hf_side_by_side(hf, model, ids, starts, backends, prefix: int = 256, chunk: int = 64):
+    """For each start in ``starts``: a ``prefix``-token prefix of ``ids`` through each cache (stored quantized),
+    then the next ``chunk`` tokens in one forward attending over it. ``backends``: {name: QuantizedCache kwargs}.
+    Rows: bytes of the stored prefix per cached number (scales included), whether the chunk's own K/V are
+    quantized, the mean KL divergence (nats per token) from the same model's exact cache, the greedy agreement
+    with it, and the tokens scored."""
     import warnings
 
     import pandas as pd
     from transformers import DynamicCache, QuantizedCache
 
     cfg = hf.config
-    n_numbers = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * len(prefix)
-    p, c = torch.tensor([prefix], device=hf.device), torch.tensor([chunk], device=hf.device)
+    n_numbers = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * prefix
+    acc = {}
 
-    def run(cache, count=None):
-        with warnings.catch_warnings():  # transformers 5 renames past_key_values to cache; 4.x knows only the former
-            warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
-            hf(p, past_key_values=cache, use_cache=True)
-            held = None if count is None else sum(count(layer) for layer in cache.layers)  # the prefix, as stored
-            return hf(c, past_key_values=cache, use_cache=True).logits[0].float(), held
+    def add(name, lg, ex, held, chunk_quantized):
+        r = acc.setdefault(name, {"bytes per cached number": held / n_numbers, "chunk's own K/V": chunk_quantized,
+                                  "kl": 0.0, "same": 0, "n": 0})
+        r["kl"] += F.kl_div(lg.log_softmax(-1), ex.log_softmax(-1), log_target=True, reduction="sum").item()
+        r["same"] += (lg.argmax(-1) == ex.argmax(-1)).sum().item()
+        r["n"] += len(lg)
 
-    exact, _ = run(DynamicCache(config=cfg))
-    rows = {}
-    ours, ours_exact, held = _ours(model, prefix, chunk)
-    rows["kvlib Int8KVCache (INT8, per-token scale)"] = (held, ours, ours_exact)
-    for name, kw in backends.items():
-        logits, held = run(QuantizedCache(config=cfg, **kw), _hf_bytes)
-        rows[name] = (held, logits, exact)
-    return pd.DataFrame({name: {"bytes per cached number": held / n_numbers,
-                                "max |logit diff|": (lg - ex).abs().max().item(),
-                                "top-1 agreement %": 100 * (lg.argmax(-1) == ex.argmax(-1)).float().mean().item()}
-                         for name, (held, lg, ex) in rows.items()}).T
+    for s0 in starts:
+        p = torch.tensor([ids[s0:s0 + prefix]], device=hf.device)
+        c = torch.tensor([ids[s0 + prefix:s0 + prefix + chunk]], device=hf.device)
+
+        def run(cache, count=None):
+            with warnings.catch_warnings():  # transformers 5 renames past_key_values; 4.x knows only that name
+                warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+                hf(p, past_key_values=cache, use_cache=True)
+                held = None if count is None else sum(count(layer) for layer in cache.layers)  # the prefix, stored
+                return hf(c, past_key_values=cache, use_cache=True).logits[0].float(), held
+
+        exact, _ = run(DynamicCache(config=cfg))
+        quant, chunk_exact, ours_exact, held = _ours(model, ids[s0:s0 + prefix], ids[s0 + prefix:s0 + prefix + chunk])
+        add(OURS_QUANT, quant, ours_exact, held, "quantized")
+        add(OURS_EXACT, chunk_exact, ours_exact, held, "exact")
+        for name, kw in backends.items():
+            logits, held = run(QuantizedCache(config=cfg, **kw), _hf_bytes)
+            add(name, logits, exact, held, "quantized" if kw.get("backend") == "fp8" else "exact")
+    return pd.DataFrame({name: {"bytes per cached number": r["bytes per cached number"],
+                                "chunk's own K/V": r["chunk's own K/V"], "mean KL (nats)": r["kl"] / r["n"],
+                                "greedy agreement %": 100 * r["same"] / r["n"], "tokens scored": r["n"]}
+                         for name, r in acc.items()}).T
 
 
 def fp8_roundtrip(x, dim=-1):
@@ -474,8 +583,17 @@ def check_axis_choice(k_axis: str, v_axis: str, evidence) -> bool:
 
 
 def gpu_reference(sweep: str = "int8") -> list[str]:
-    """The int8 sweep's curves: this GPU's (GPU mode) or the committed ones (CPU mode), and one line per kernel
-    (chapter 03's ``gpu_reference``, every kernel of the sweep kept). No targets: they belong to the benchmarks."""
+    """The int8 sweep's curves: this GPU's (GPU mode) or the committed ones (CPU mode), drawn; then chapter 03's
+    detailed lines (the headline points' conditions, each kernel's median and min–max of % of copy bandwidth and
+    of its ratio to the fp16 kernel, the points below the headline sizes) and, for committed results, the (B, S)
+    of every headline point a median uses. No targets: they belong to the benchmarks."""
+    from ..bench import results
     from .ch03 import gpu_reference as _gpu_reference
 
-    return _gpu_reference(sweep, keep=lambda kernel: True)
+    lines = _gpu_reference(sweep, keep=lambda kernel: True, detail=True)
+    if not lines or lines == [results.NO_REFERENCE] or runtime.mode() == "gpu":
+        return lines
+    _, rows = results.reference(sweep)
+    points = sorted({(r["B"], r["S"]) for r in rows if r.get("sweep") == sweep and r.get("headline")
+                     and r.get("kernel") and r.get("time_ms") is not None})
+    return lines + ["headline points (B, S): " + ", ".join(f"({b}, {s:,})" for b, s in points)]

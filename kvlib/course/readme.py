@@ -86,17 +86,21 @@ ROWS = [
         "06_int8_kv.ipynb",
         r"greedy agreement:\s+(?P<agree>[\d.]+%).*?perplexity:\s+[\d.]+ -> [\d.]+ \((?P<ppl>[-+\d.]+%).*?"
         r"KV bytes vs fp16:\s+(?P<bytes>[\d.]+)x", "{agree}, {ppl}, {bytes}×"),
-    Row("SmolLM2, INT8 cache, ~3,000 held-out tokens: perplexity change (95% bootstrap interval), teacher-forced "
-        "top-1 agreement", "06_int8_kv.ipynb",
-        r"int8 cache \(per-token\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
-        r"(?P<hi>[-+\d.]+%)\), top-1 agreement (?P<agree>[\d.]+%)", "{ppl} ({lo} to {hi}), {agree}"),
-    Row("SmolLM2, the first source article's INT8 (one scale for K and V), ~12,000 held-out tokens: perplexity "
-        "change (95% bootstrap interval); its claim is under 1%", "06_int8_kv.ipynb",
-        r"source article \(K\+V one scale\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
-        r"(?P<hi>[-+\d.]+%)\)", "{ppl} ({lo} to {hi})"),
-    Row("SmolLM2 keys, relative INT8 error: per channel vs per token", "06_int8_kv.ipynb",
-        r"SmolLM2, mean over 30 layers, K relative error: per-channel (?P<c>[\d.]+) vs per-token (?P<t>[\d.]+)",
-        "{c} vs {t}"),
+    Row("SmolLM2, INT8 cache, the same 6,132 held-out tokens (every second 512-token window): perplexity "
+        "change (95% bootstrap interval), teacher-forced greedy agreement", "06_int8_kv.ipynb",
+        r"int8 cache \(per token and head\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
+        r"(?P<hi>[-+\d.]+%): [^)]*\), greedy agreement (?P<agree>[\d.]+%)", "{ppl} ({lo} to {hi}), {agree}"),
+    Row("SmolLM2, the first source article's INT8 (one scale for a token's K and V, per stored token), the same "
+        "tokens: perplexity change (95% bootstrap interval); its claim is under 1%", "06_int8_kv.ipynb",
+        r"source article, one K\+V scale per stored token: perplexity (?P<ppl>[-+\d.]+%) \(95% interval "
+        r"(?P<lo>[-+\d.]+%) to (?P<hi>[-+\d.]+%): (?P<where>[^)]*)\)", "{ppl} ({lo} to {hi}; {where})"),
+    Row("SmolLM2, the first source article's INT8 (one scale for K and V over a 512-token window), the same "
+        "tokens: perplexity change (95% bootstrap interval); its claim is under 1%", "06_int8_kv.ipynb",
+        r"source article, one K\+V scale per 512-token window: perplexity (?P<ppl>[-+\d.]+%) \(95% interval "
+        r"(?P<lo>[-+\d.]+%) to (?P<hi>[-+\d.]+%): (?P<where>[^)]*)\)", "{ppl} ({lo} to {hi}; {where})"),
+    Row("SmolLM2 keys at 300 tokens, relative INT8 error: per channel vs per token", "06_int8_kv.ipynb",
+        r"SmolLM2 at 300 tokens, mean over 30 layers, K relative error: per-channel (?P<c>[\d.]+) vs "
+        r"per-token (?P<t>[\d.]+)", "{c} vs {t}"),
     Row("tiny model, MHA → 4 / 2 / 1 K/V heads after 100 fine-tune steps at lr 5e-5 (the rate that leaves the "
         "MHA control unchanged) vs the MHA control (nats/byte)", "07_gqa.ipynb",
         r"control at 5e-5: (?P<ctl>[\d.]+) nats/byte, original (?P<orig>[\d.]+).*?after 100 steps at 5e-5: "

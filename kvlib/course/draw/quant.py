@@ -3,8 +3,8 @@
 - ``groups(x, dims)``: a (T, D) slice of a key or value tensor (tokens down, channels across), once per
   granularity. Each number is a cell shaded by its magnitude; every quantization group (the numbers that
   share one scale) is framed; the number that set the group's scale (its largest magnitude, which lands on
-  ±127) is marked; the group's scale is written in a cell beside the grid (per token: a column at the
-  right, one per row; per channel: a row below, one per column).
+  ±127) is marked; the group's scale is written in a cell beside the grid, shaded by its value (per token: a
+  column at the right, one per row; per channel: a row below, one per column, written vertically).
 
 The scales come from ``quantize_int8(x, dim)`` itself, not from a second computation, so the picture is
 what the cache would store. Gids: ``"value"`` (one per number), ``"group"`` (one frame per group),
@@ -42,6 +42,7 @@ def _panel(ax, x0, top, x, dim, name):
     _, scale = quantize_int8(x, dim)  # (T, 1) per token, (1, D) per channel
     mag = x.abs().float()
     cmap, vmax = colormaps["Greys"], float(mag.max()) or 1.0
+    s_max = float(scale.max()) or 1.0
     label(ax, x0, top - 0.15, f"{name}: {scale.numel()} groups, {scale.numel()} scales", fontsize=9)
     y_top = top - 0.35
     for t in range(T):
@@ -59,16 +60,18 @@ def _panel(ax, x0, top, x, dim, name):
         mx, my = (x0 + i * SIZE, gy) if per_row else (gx, y_top - (i + 1) * SIZE)
         _frame(ax, mx + 0.03, my + 0.03, SIZE - 0.06, SIZE - 0.06, "max", COLORS["new"], lw=1.4)
         s = float(scale.flatten()[g])
-        sx, sy = (x0 + D * SIZE + 0.15, gy) if per_row else (gx, y_top - (T + 1) * SIZE - 0.1)
-        ax.add_patch(Rectangle((sx, sy), SIZE * (2.6 if per_row else 1), SIZE, facecolor=COLORS["key"],
+        w, h = (2.6 * SIZE, SIZE) if per_row else (SIZE, 2.6 * SIZE)
+        sx, sy = (x0 + D * SIZE + 0.15, gy) if per_row else (gx, y_top - T * SIZE - 0.1 - h)
+        level = s / s_max  # the scale cells are shaded by value too: a larger scale, a darker cell
+        ax.add_patch(Rectangle((sx, sy), w, h, facecolor=colormaps["Blues"](0.15 + 0.8 * level),
                                edgecolor="white", linewidth=0.4, gid="scale"))
-        if per_row:
-            ax.text(sx + 1.3 * SIZE, sy + SIZE / 2, f"{s:.3f}", ha="center", va="center", fontsize=5.5, color="white")
+        ax.text(sx + w / 2, sy + h / 2, f"{s:.3f}", ha="center", va="center", fontsize=5.5 if per_row else 4.5,
+                rotation=0 if per_row else 90, color="white" if level > 0.5 else "black")
     if per_row:
         label(ax, x0 + D * SIZE + 0.15, y_top + 0.1, "scale", fontsize=7)
     else:
-        label(ax, x0 - 0.05, y_top - (T + 0.5) * SIZE - 0.1, "scale", ha="right", fontsize=7)
-    return 0.35 + (T + 1.5) * SIZE + 0.25
+        label(ax, x0 - 0.05, y_top - (T + 1.3) * SIZE - 0.1, "scale", ha="right", fontsize=7)
+    return 0.35 + (T + 3.1) * SIZE + 0.25
 
 
 def groups(x: torch.Tensor, dims: dict | None = None, *, title: str | None = None):
@@ -81,7 +84,7 @@ def groups(x: torch.Tensor, dims: dict | None = None, *, title: str | None = Non
         if dim not in (-1, 0, 1):
             raise ValueError(f"groups draws per token (dim -1 or 1) or per channel (dim 0), got dim {dim}")
     T, D = x.shape
-    panel_h = 0.35 + (T + 1.5) * SIZE + 0.25
+    panel_h = 0.35 + (T + 3.1) * SIZE + 0.25
     width = 0.6 + D * SIZE + 1.1
     fig, ax = new_figure(max(width, 6.0), 0.4 + len(dims) * panel_h + 0.3, title=title)
     top = 0.4 + len(dims) * panel_h
