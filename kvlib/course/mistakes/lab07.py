@@ -57,19 +57,23 @@ def mean_pool_kv(w, n_heads, n_kv_heads, head_dim):
 
 
 def kv_heads_choice():
-    """Lab 07's decision: how many K/V heads a new model (32 layers, 32 query heads of dim 128) should get so that
-    64 sequences of 8,192 tokens fit in an fp16 cache on an 80 GiB GPU after its 15 GiB of weights and a 2 GiB
-    reserve (63 GiB left; each K/V head costs 8 GiB of cache). For each wrong count, why;
-    ``kvlib.course.ch07.check_kv_heads_choice`` prints the reason for the count you chose."""
+    """Lab 07's decision: how many K/V heads a new model (32 layers, d_model 4,096, 32 query heads of dim 128;
+    15 GiB of fp16 weights as MHA, wk and wv shrinking with the K/V heads) should get so that 64 sequences of 8,192
+    tokens fit in an fp16 cache on an 80 GiB GPU beside a 2 GiB reserve. For each wrong count, why (the figures
+    are read from ``kvlib.course.ch07.kv_heads_evidence``); ``check_kv_heads_choice`` prints the one you chose."""
+    from ..ch07 import kv_heads_evidence
+
+    ev = kv_heads_evidence() / 1024  # MiB -> GiB
+    cache, left, weights = (ev[f"{name} (MiB)"].map("{:g}".format) for name in ("cache", "left for the cache", "weights"))
     return {
-        32: "32 K/V heads is MHA, 256 GiB of cache: the K/V heads, not the query heads, set the cache's size",
-        16: "16 K/V heads need 128 GiB: count both K and V (the formula's factor 2), and take the weights and the "
-            "reserve off the GPU first",
-        8: "8 K/V heads need 64 GiB, 1 GiB more than the 63 GiB left once the weights (15 GiB) and the reserve "
-           "(2 GiB) are taken off; or K alone was counted, not K and V",
-        2: "2 K/V heads fit, but so do 4: was a number counted as 4 bytes? fp16 takes 2. Each K/V head given up "
-           "costs quality (chapter 07's conversion), so take the largest count that fits",
-        1: "1 K/V head (MQA) fits, but so do 2 and 4: MQA gives up the most quality; take the largest count that "
-           "fits",
+        32: f"32 K/V heads is MHA, {cache[32]} GiB of cache: the K/V heads, not the query heads, set the cache's size",
+        16: f"16 K/V heads need {cache[16]} GiB, and {left[16]} GiB are left: was K alone counted? The cache holds K "
+            "and V (the formula's factor 2)",
+        4: f"4 K/V heads fit, but so do 8: 8 need {cache[8]} GiB, and with 8 K/V heads the weights are "
+           f"{weights[8]} GiB, not the MHA figure {weights[32]} GiB (wk and wv shrink with the K/V heads), which "
+           f"leaves {left[8]} GiB. Or was a number counted as 4 bytes? fp16 takes 2",
+        2: "2 K/V heads fit, but so do 4 and 8: was a number counted as 4 bytes (fp16 takes 2), and the weights "
+           "kept at the MHA figure?",
+        1: "1 K/V head (MQA) fits, but so do 2, 4 and 8: the team wants as many K/V heads as the workload allows",
         "not a divisor": "the K/V heads must divide the 32 query heads, so that every group has the same size",
     }
