@@ -84,3 +84,19 @@ def test_too_large_a_trace_is_refused_with_a_reason(model):
     trace = ch02.NaiveTrace(prompt_len=30, tokens=list(range(60)), rows=[30 + i for i in range(20)])
     with pytest.raises(ValueError, match="too many to draw"):
         decoding.recomputed(trace)
+
+
+def test_paired_ratio_times_each_length_right_after_a_call_of_the_same_length():
+    """ch02.paired_ratio: per round, an untimed call then a timed one at t = hi, the same at t = lo, so neither
+    step is timed in the caches the other length left behind."""
+    calls = []
+
+    def model(x):
+        calls.append(x.shape[1])
+        sum(range(2000 * x.shape[1]))  # some CPU time, more for the longer call
+        return x
+
+    seq = torch.zeros(1, 40, dtype=torch.long)
+    median, low, high = ch02.paired_ratio(model, seq, lo=8, hi=32, rounds=3)
+    assert calls == [32, 32, 8, 8] * 3
+    assert low <= median <= high
