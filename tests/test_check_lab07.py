@@ -34,7 +34,7 @@ def test_the_right_choice_passes(capsys):
 def test_every_wrong_divisor_is_diagnosed(yours, capsys):
     with pytest.raises(CheckFailed) as err:
         ch07.check_kv_heads_choice(yours)
-    assert mistakes.kv_heads_choice()[yours] in str(err.value) and "FAIL ✗" in str(err.value)
+    assert mistakes.kv_heads_choice(ch07.kv_heads_evidence())[yours] in str(err.value) and "FAIL ✗" in str(err.value)
     assert f"yours {yours}  reference 8  ✗" in capsys.readouterr().out
 
 
@@ -42,11 +42,11 @@ def test_every_wrong_divisor_is_diagnosed(yours, capsys):
 def test_a_count_that_is_not_a_divisor_says_so(yours):
     with pytest.raises(CheckFailed) as err:
         ch07.check_kv_heads_choice(yours)
-    assert mistakes.kv_heads_choice()["not a divisor"] in str(err.value)
+    assert mistakes.kv_heads_choice(ch07.kv_heads_evidence())["not a divisor"] in str(err.value)
 
 
 def test_each_diagnosis_names_its_own_mistake():
-    why = mistakes.kv_heads_choice()
+    why = mistakes.kv_heads_choice(ch07.kv_heads_evidence())
     assert "factor 2" in why[16] and "weights" in why[4] and "shrink" in why[4] and "MQA" in why[1]
     assert "13.5 GiB" in why[4] and "64.5 GiB" in why[4]  # read from the evidence, not typed in
     assert 8 not in why  # the right answer has no diagnosis

@@ -480,7 +480,7 @@ def check_kv_heads_choice(yours) -> None:
     if ok:
         print("PASS ✓")
         return None
-    why = mistakes.kv_heads_choice()
+    why = mistakes.kv_heads_choice(evidence)
     if isinstance(yours, int) and not isinstance(yours, bool) and yours >= 1 and LAB_CHOICE["n_heads"] % yours == 0:
         reason = why.get(yours, "not the largest count whose cache fits what the GPU has left")
     else:

@@ -56,14 +56,13 @@ def mean_pool_kv(w, n_heads, n_kv_heads, head_dim):
 
 
 
-def kv_heads_choice():
+def kv_heads_choice(evidence):
     """Lab 07's decision: how many K/V heads a new model (32 layers, d_model 4,096, 32 query heads of dim 128;
     15 GiB of fp16 weights as MHA, wk and wv shrinking with the K/V heads) should get so that 64 sequences of 8,192
     tokens fit in an fp16 cache on an 80 GiB GPU beside a 2 GiB reserve. For each wrong count, why (the figures
-    are read from ``kvlib.course.ch07.kv_heads_evidence``); ``check_kv_heads_choice`` prints the one you chose."""
-    from ..ch07 import kv_heads_evidence
-
-    ev = kv_heads_evidence() / 1024  # MiB -> GiB
+    are read from ``evidence``, the table ``kvlib.course.ch07.kv_heads_evidence()`` returns, in MiB);
+    ``check_kv_heads_choice`` prints the one you chose."""
+    ev = evidence / 1024  # MiB -> GiB
     cache, left, weights = (ev[f"{name} (MiB)"].map("{:g}".format) for name in ("cache", "left for the cache", "weights"))
     return {
         32: f"32 K/V heads is MHA, {cache[32]} GiB of cache: the K/V heads, not the query heads, set the cache's size",
