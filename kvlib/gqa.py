@@ -328,8 +328,11 @@ def mha_to_gqa(model, n_kv_heads: int):
 
 
 def finetune(model, train_ids: torch.Tensor, steps: int = 60, batch: int = 8, seq_len: int = 128,
-             lr: float = 5e-4, seed: int = 0, progress: bool = False) -> list[float]:
-    """A short, seeded AdamW fine-tune on random windows of ``train_ids``; returns the batch losses."""
+             lr: float = 5e-4, seed: int = 0, progress: bool = False, lr_at=None) -> list[float]:
+    """A short, seeded AdamW fine-tune on random windows of ``train_ids``; returns the batch losses.
+
+    lr_at: optional schedule, a function of the step (0 .. steps - 1) giving that step's rate; without it every
+    step uses ``lr``."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
@@ -339,7 +342,10 @@ def finetune(model, train_ids: torch.Tensor, steps: int = 60, batch: int = 8, se
         from tqdm.auto import tqdm
 
         steps_iter = tqdm(steps_iter, desc="fine-tune", leave=False)
-    for _ in steps_iter:
+    for step in steps_iter:
+        if lr_at is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
         starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=gen).tolist()
         x = torch.stack([train_ids[s: s + seq_len] for s in starts]).to(model.device)
         y = torch.stack([train_ids[s + 1: s + 1 + seq_len] for s in starts]).to(model.device)

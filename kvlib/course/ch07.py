@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kvlib import runtime
 from kvlib.attention import attention_ref
 from kvlib.cache import KVCache, decode_attention, decode_attention_ref
-from kvlib.gqa import grouped_decode_attention, mha_to_gqa, repeat_kv
+from kvlib.gqa import finetune, grouped_decode_attention, mha_to_gqa, repeat_kv
 from kvlib.memory import REAL_MODELS, kv_cache_bytes, measure_allocation
 from kvlib.train import evaluate
 
@@ -292,28 +292,8 @@ def finetune_scheduled(model, train_ids, steps=100, batch=8, seq_len=128, peak_l
                        seed=0, progress=False) -> list[float]:
     """``kvlib.gqa.finetune`` (AdamW, the same seeded windows) with the rate set before every step by
     ``lr_schedule``; with peak_lr == end_lr and warmup=0 it is that function exactly. Returns the batch losses."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.0)
-    model.train()
-    losses = []
-    steps_iter = range(steps)
-    if progress:
-        from tqdm.auto import tqdm
-
-        steps_iter = tqdm(steps_iter, desc="fine-tune", leave=False)
-    for step in steps_iter:
-        for group in opt.param_groups:
-            group["lr"] = lr_schedule(step, steps, peak_lr, end_lr, warmup)
-        starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=gen).tolist()
-        x = torch.stack([train_ids[s: s + seq_len] for s in starts]).to(model.device)
-        y = torch.stack([train_ids[s + 1: s + 1 + seq_len] for s in starts]).to(model.device)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
+    return finetune(model, train_ids, steps=steps, batch=batch, seq_len=seq_len, lr=peak_lr, seed=seed,
+                    progress=progress, lr_at=lambda step: lr_schedule(step, steps, peak_lr, end_lr, warmup))
 
 
 def conversion_quality(model, train_ids, val_ids, heads=(4, 2, 1), *, steps=100, batch=8, seq=128, peak_lr=5e-4,
