@@ -207,3 +207,15 @@ def test_fp8_roundtrip_scales():
     assert ch06.fp8_roundtrip(torch.tensor([1000.0]), "none").item() == 448  # clamped to e4m3's range
     table = ch06.fp8_table({("m", "K"): [torch.randn(2, 16, 32)]})
     assert table.loc[("m", "K"), "fp8 / int8"] > 1 and math.isfinite(table.loc[("m", "K"), "row max / rms"])
+
+
+def test_stats_wilson_refuses_bad_counts_and_separates_only_disjoint_intervals():
+    from kvlib.stats import separated, wilson
+
+    for bad in [(5, 4), (-1, 4), (0, 0)]:
+        with pytest.raises(ValueError, match="k <= n"):
+            wilson(*bad)
+    with pytest.raises(TypeError, match="ints"):
+        wilson(0.5, 4)
+    assert wilson(0, 24)[0] == pytest.approx(0) and wilson(24, 24)[1] == pytest.approx(1) and wilson(0, 24)[1] > 0.1
+    assert separated((0.1, 0.3), (0.4, 0.9)) and not separated((0.1, 0.5), (0.4, 0.9))

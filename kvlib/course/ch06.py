@@ -27,6 +27,7 @@ from .. import runtime
 from ..cache import KVCache
 from ..model import apply_rope
 from ..quant import Int8KVCache, dequantize_int8, quantize_int8, store_kv_int8_ref
+from ..stats import wilson  # noqa: F401  (the notebook calls ch06.wilson)
 
 __all__ = ["RecordKV", "rel_error", "roundtrip", "GRANULARITY", "SHARED", "KIVI", "error_table", "channel_max",
            "rope_partners", "plot_channel_max", "record_real", "outlier_table", "plot_real_outliers",
@@ -377,13 +378,6 @@ def perplexity_change(model, ids, window: int, windows, schemes, block: int, pai
         table[col] = table[col].astype(float)  # None (a paired row's agreement) becomes NaN
     table["tokens scored"] = table["tokens scored"].astype(int)
     return table, math.exp(nll_full.mean().item())
-
-
-def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95% Wilson score interval of a rate k/n (Wilson, 1927): (low, high), both in [0, 1]."""
-    p = k / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
 
 
 def free_running(model, prompts, n: int) -> list:
