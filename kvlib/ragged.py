@@ -214,9 +214,12 @@ def _ref_groups(plan: RaggedPlan, q, k_blocks, block_tables) -> list:
         G, n_blocks = len(seqs), -(-max(lens[i] for i in seqs) // block_size)  # the longest one's blocks
         S = n_blocks * block_size  # key positions, padded to whole blocks of the longest sequence
         idx = torch.tensor(seqs, device=dev)
-        # whole blocks at a time (a copy of contiguous rows, not one lookup per position); -1 past a sequence's
-        # blocks: block 0 stands in, its positions lie past the sequence's end and are masked below
-        blocks = block_tables[idx, :n_blocks].long().clamp_min(0)  # (G, n_blocks)
+        # whole blocks at a time (a copy of contiguous rows, not one lookup per position). An entry past a sequence's
+        # own blocks (-1 from the engine, or any number a learner's table leaves there: the validator and the kernel
+        # never read it) becomes block 0, whose positions lie past the sequence's end and are masked below
+        own = torch.tensor([-(-lens[i] // block_size) for i in seqs], device=dev)  # (G,) blocks each one uses
+        unused = torch.arange(n_blocks, device=dev)[None, :] >= own[:, None]
+        blocks = block_tables[idx, :n_blocks].long().masked_fill(unused, 0).clamp_min(0)  # (G, n_blocks)
         # positions past each sequence's end (its last block's tail, stand-in block 0) may hold anything, even
         # NaN left by a failed step: zeroed, since a masked score of NaN, or 0 x NaN in P V, would still be NaN
         seq_len = torch.tensor([lens[i] for i in seqs], device=dev)

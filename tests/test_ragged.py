@@ -131,6 +131,19 @@ def test_decode_only_batch_is_paged_decode_attention():
         torch.testing.assert_close(fn(q, k, v, tables, cu, lens), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_entries_past_a_sequences_own_blocks_are_never_read():
+    """Found by fuzzing: the reference gathered a shorter sequence's table out to the longest one's blocks, so an unused
+    entry >= num_blocks (which the validator, the kernel and paged_decode_attention_ref all accept) raised IndexError."""
+    g = torch.Generator().manual_seed(0)
+    kb, vb, q = torch.randn(6, 4, 1, 16, generator=g), torch.randn(6, 4, 1, 16, generator=g), torch.randn(2, 2, 16, generator=g)
+    cu, lens = torch.tensor([0, 1, 2]), torch.tensor([7, 9])  # 2 and 3 blocks of 4
+    junk = torch.tensor([[3, 0, 999], [5, 1, 2]], dtype=torch.int32)
+    clean = torch.tensor([[3, 0, -1], [5, 1, 2]], dtype=torch.int32)
+    expected = paged_decode_attention_ref(q, kb, vb, clean, lens)
+    for fn in (ragged_paged_attention_ref, ragged_paged_attention):
+        torch.testing.assert_close(fn(q, kb, vb, junk, cu, lens), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_one_chunk_is_causal_attention_aligned_to_the_end():
     """A chunk of T tokens after S - T cached ones is chapter 01's attention over all S keys (end-aligned mask)."""
     T, S, bs = 12, 29, 4
