@@ -46,8 +46,9 @@ def _form_files() -> list[str]:
     for stem in FORM_CHAPTERS:
         files.append(f"notebooks/{stem}.ipynb")
         files += [f"{d}/{stem}_lab.ipynb" for d in ("labs", "solutions")]
+        # a chapter's deep dives: 02_deep_dive_* for 02; 08_deep_dive_* for both sittings 08a and 08b, listed once
         files += sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").glob(f"{stem[:2]}_deep_dive*.ipynb"))
-    return files
+    return list(dict.fromkeys(files))
 
 
 def _load(rel: str) -> dict:
