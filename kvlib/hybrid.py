@@ -66,6 +66,7 @@ ring has ``spare`` rows beyond the window, kept for ``truncate``).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -138,6 +139,9 @@ def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> t
             [0, 0, 1, 1, 0],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
     """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        raise ValueError(f"window must be a positive int (the token itself counts, so 1 sees only itself) or None "
+                         f"for causal only, got {window!r}")
     d = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, S) how far back each key is
     visible = (k_pos[:, None, :] >= 0) & (d >= 0)
     if window is not None:

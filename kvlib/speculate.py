@@ -31,6 +31,8 @@ which the paged cache's ragged batches (chapter 08) can carry; it is left out of
 
 from __future__ import annotations
 
+import numbers
+
 import time
 from dataclasses import dataclass, field
 
@@ -214,6 +216,27 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int | None = N
     return torch.softmax(logits, dim=-1)
 
 
+def _check_draft(draft, vocab: int) -> list[int]:
+    """The draft as a list of token ids in [0, vocab), or a ValueError naming the first one that is not."""
+    ids = draft.tolist() if isinstance(draft, torch.Tensor) else list(draft)
+    for i, x in enumerate(ids):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < vocab:
+            raise ValueError(f"draft[{i}] must be a token id in [0, {vocab}) (the vocabulary of the target's rows), "
+                             f"got {x!r}")
+    return ids
+
+
+def _check_distribution(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` if each row is a probability distribution (finite, >= 0, sums to 1 within 1e-3), else a ValueError:
+    the rejection rule's guarantee holds only for distributions (pass probabilities, not logits)."""
+    sums = t.sum(dim=-1)
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()) or not bool(((sums - 1).abs() <= 1e-3).all()):
+        raise ValueError(f"{name} must hold probabilities, each row >= 0 and summing to 1 (softmax of the logits, "
+                         f"e.g. target_probs), got row sums {[round(float(x), 4) for x in sums[:4]]}"
+                         f"{' ...' if len(sums) > 4 else ''}")
+    return t
+
+
 def greedy_accept(logits: torch.Tensor, draft) -> tuple[int, int]:
     """(drafts accepted, the target's next token) under greedy decoding: accept while each draft equals the
     target's argmax at its position, then take the target's own token there.
@@ -224,6 +247,13 @@ def greedy_accept(logits: torch.Tensor, draft) -> tuple[int, int]:
     >>> greedy_accept(logits, [1, 2]), greedy_accept(logits, [1, 0]), greedy_accept(logits, [])
     ((2, 0), (1, 2), (0, 1))
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a (d + 1, V) tensor, one row per draft position and one past them, got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    draft = _check_draft(draft, logits.shape[1])
+    if logits.shape[0] < len(draft) + 1:
+        raise ValueError(f"logits has {logits.shape[0]} row(s) for {len(draft)} draft token(s): it needs d + 1 = "
+                         f"{len(draft) + 1} (the target's prediction at every draft position and one past them)")
     target = logits.argmax(dim=-1).tolist()
     a = 0
     while a < len(draft) and draft[a] == target[a]:
@@ -245,12 +275,15 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, draft, generator
     ((1, 0), (0, 1))
     """
     d = len(draft)
-    if p.dim() != 2 or p.shape[0] != d + 1:
-        raise ValueError(f"p must be (d + 1, V) = ({d + 1}, V) for {d} draft token(s), got {tuple(p.shape)}")
-    if q is not None and tuple(q.shape) != (d, p.shape[1]):
-        raise ValueError(f"q must be (d, V) = ({d}, {p.shape[1]}) or None, got {tuple(q.shape)}")
-    p = p.float().cpu()
-    q = None if q is None else q.float().cpu()
+    if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.shape[0] != d + 1:
+        raise ValueError(f"p must be (d + 1, V) = ({d + 1}, V) for {d} draft token(s), got "
+                         f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+    if q is not None and (not isinstance(q, torch.Tensor) or tuple(q.shape) != (d, p.shape[1])):
+        raise ValueError(f"q must be (d, V) = ({d}, {p.shape[1]}) or None, got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    draft = _check_draft(draft, p.shape[1])
+    p = _check_distribution("p", p.float().cpu())
+    q = None if q is None else _check_distribution("q", q.float().cpu())
     for i, x in enumerate(draft):
         qx = 1.0 if q is None else float(q[i, x])
         if float(torch.rand((), generator=generator)) * qx < float(p[i, x]):  # u < p/q, without dividing by 0

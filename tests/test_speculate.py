@@ -445,3 +445,44 @@ def test_alpha_counts_only_the_drafts_that_were_checked():
     assert res.acceptance_rate == 10 / 19  # drafts after a rejection count as not accepted
     assert res.alpha == 10 / 12  # 10 accepted, 2 rejections (steps 2 and 3); the empty step checks nothing
     assert spec.SpeculativeResult().alpha != spec.SpeculativeResult().alpha  # nan: nothing drafted
+
+
+# ---- bad inputs: a clear error naming the argument (issue: 6 of 121 bad calls were not) --------------------
+
+
+@pytest.mark.parametrize("p, draft, words", [
+    (torch.tensor([[0.5, 0.7], [1.0, 0.0]]), [1], "p must hold probabilities"),     # rows do not sum to 1
+    (torch.tensor([[2.0, -1.0], [1.0, 0.0]]), [1], "p must hold probabilities"),    # negative entry
+    (torch.tensor([[3.0, 1.0], [0.0, 9.0]]), [1], "p must hold probabilities"),     # logits, not probabilities
+    (torch.tensor([[0.5, 0.5], [1.0, 0.0]]), [2], r"draft\[0\] must be a token id in \[0, 2\)"),
+    (torch.tensor([[0.5, 0.5], [1.0, 0.0]]), [-1], r"draft\[0\]"),
+    (torch.tensor([[0.5, 0.5], [1.0, 0.0]]), [0.5], r"draft\[0\]"),
+])
+def test_speculative_accept_refuses_what_is_not_a_distribution_or_a_token(p, draft, words):
+    with pytest.raises(ValueError, match=words):
+        speculative_accept(p, None, draft)
+
+
+def test_speculative_accept_checks_q_too():
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0]])
+    with pytest.raises(ValueError, match="q must hold probabilities"):
+        speculative_accept(p, torch.tensor([[0.9, 0.9]]), [0])
+    assert speculative_accept(p, torch.tensor([[0.5, 0.5]]), [0], torch.Generator().manual_seed(0))[0] in (0, 1)
+
+
+@pytest.mark.parametrize("logits, draft, words", [
+    (torch.zeros(2, 4), [1, 2, 3], r"2 row\(s\) for 3 draft token\(s\)"),
+    (torch.zeros(4), [1], r"logits must be a \(d \+ 1, V\) tensor"),
+    (torch.zeros(3, 4), [1, 9], r"draft\[1\] must be a token id in \[0, 4\)"),
+])
+def test_greedy_accept_refuses_too_few_rows_1d_logits_and_foreign_ids(logits, draft, words):
+    with pytest.raises(ValueError, match=words):
+        greedy_accept(logits, draft)
+
+
+@pytest.mark.parametrize("window", [0, -3, 1.5, True])
+def test_band_mask_refuses_a_window_that_sees_nothing(window):
+    from kvlib.hybrid import band_mask
+
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        band_mask(torch.arange(4)[None], torch.arange(4)[None], window)
