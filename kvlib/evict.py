@@ -5,7 +5,7 @@ What you will learn:
   the most recent (sliding window), the first few + the most recent (attention sinks, StreamingLLM,
   Xiao et al. 2023), the ones that received the most attention so far + the most recent (heavy
   hitters, H2O, Zhang et al. 2023), or the ones the last prompt tokens attend to most, chosen once
-  after a prefill (SnapKV, Li et al. 2024);
+  after a prefill, every later token kept (SnapKV, Li et al. 2024; PyramidKV with a budget per layer);
 - one cache class, four *priorities*: every method is a score per held position, and eviction keeps
   the ``budget`` highest (``keep_highest``). Sinks and the recent window get +inf;
 - the index layout: K/V rows stay where they were written (physical slots of a buffer of
@@ -24,24 +24,31 @@ What you will learn:
   keeps only each slot's RoPE position (``rot``) and rotates the held keys to it, in fp32, when it
   attends, so a key is rounded once however often it is renumbered. Notebook 09 measures both;
 - streaming: a long call (a prompt) is processed in ``chunk``-token steps inside every layer, with
-  an eviction after each step, so a prompt token never attends to a position already evicted. With a
-  chunk as long as the prompt, the prompt attends fully and is compressed once afterwards (SnapKV's
-  setting, and the usual "compress after prefill" of KV-compression libraries);
+  an eviction after each step, so a prompt token never attends to a position already evicted. SnapKV
+  and PyramidKV instead treat a cache's first call as the prefill, as their papers and kvpress do: it
+  attends fully over itself, only the kept rows are stored (no buffer ever holds the whole prompt), and
+  every later token is kept, the buffers growing by ``chunk`` rows when full (``decode_evict=True``, ours,
+  evicts again at every later step);
 - ``PagedWindowCache``: on chapter 05's paged cache, a window (+ sink blocks) frees whole blocks
   back to the pool as a sequence grows.
 
 Contract: every budgeted cache has ``for_model(model, batch, budget, **options)`` (``budget`` in
 positions per sequence), works as ``generate(model, ids, n, cache=cache)`` and in
 ``model(ids, positions=..., cache=cache)``, and ``held(b)`` is the number of positions it stores for
-sequence b: never more than ``budget`` after a call (during a call, one chunk more).
+sequence b: never more than ``budget`` after a call (during a call, one chunk more), except in the
+default SnapKV / PyramidKV, which hold the budget + every token after the prefill. Every cache works at
+batch B > 1 when the rows have equal lengths (each row keeps its own positions, as B batch-1 runs would);
+ragged prompts are prefilled one at a time through ``cache.sequence(b)`` (``generate`` does).
 
-Shapes: buffers (B, H_KV, N_slots, D) with N_slots = budget + chunk; index (B, H_KV, N_slots) int64
-slot ids in position order, the first ``n_held[b]`` valid; q (B, H, T, D) as everywhere.
+Shapes: buffers (B, H_KV, N_slots, D) with N_slots = budget + chunk (grown by whole chunks in the default
+SnapKV / PyramidKV); index (B, H_KV, N_slots) int64 slot ids in position order, the first ``n_held[b]``
+valid; q (B, H, T, D) as everywhere. ``nbytes()`` counts every tensor a cache holds.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +59,8 @@ from .cache import KVCache, check_attend_args, check_int
 from .model import rope_cos_sin, rotate
 from .paged import PagedKVCache, _PagedBatch
 
-__all__ = ["keep_highest", "sink_window_priority", "h2o_accumulate", "pool_votes", "snapkv_select", "pyramid_budgets",
+__all__ = ["keep_highest", "sink_window_priority", "h2o_accumulate", "pool_votes", "window_votes", "snapkv_select",
+           "pyramid_budgets",
            "index_decode_attention", "index_decode_attention_ref", "BudgetCache", "SlidingWindowCache", "SinkCache",
            "H2OCache", "SnapKVCache", "PyramidKVCache", "KnormCache", "TOVACache", "ExpectedAttentionCache",
            "PagedWindowCache"]
@@ -265,7 +273,7 @@ def index_decode_attention(q, k_buf, v_buf, index, n_held, return_probs=False):
     B, H, D = q.shape
     N = index.shape[2]
     index, n_held = index.contiguous(), n_held.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)  # contiguous: the kernel writes row pid at pid * D
     probs = torch.empty(B, H, N, device=q.device, dtype=torch.float32) if return_probs else out
     TILE_D = max(16, triton.next_power_of_2(D))
     TILE_N = 64 if runtime.INTERPRETER else max(16, 4096 // TILE_D)
@@ -290,12 +298,12 @@ def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> tor
 class BudgetCache(KVCache):
     """At most ``budget`` positions per sequence; the subclass's ``priority`` decides which.
 
-    Not used directly: ``SlidingWindowCache``, ``SinkCache``, ``H2OCache``, ``SnapKVCache``. Lengths:
+    Not used directly: ``SlidingWindowCache``, ``SinkCache``, ``H2OCache``, ``SnapKVCache``, ... Lengths:
     ``seq_lens`` counts every token a sequence has seen (its next position), ``held(b)`` what is stored.
 
     Options every method takes: ``chunk`` (tokens per streaming step of a long call; one extra chunk
-    of buffer), ``positions`` ("kept": each key keeps its RoPE position; "reassign": held positions are
-    renumbered 0..n-1 inside the cache, StreamingLLM's rule), ``rope`` ("after": the model rotates
+    of buffer; the default SnapKV's growth step), ``positions`` ("kept": each key keeps its RoPE
+    position; "reassign": held positions are renumbered 0..n-1 inside the cache, StreamingLLM's rule), ``rope`` ("after": the model rotates
     keys before the cache stores them, and "reassign" re-rotates stored keys in place, rounding them
     again each time; "before": ``keys_before_rope`` is set, keys are stored unrotated and rotated to
     their slot's ``rot`` position in fp32 when attended, as in StreamingLLM's code), ``kernels``
@@ -348,6 +356,8 @@ class BudgetCache(KVCache):
         self.score = [torch.zeros(s, dtype=torch.float32, device=device) for s in slots]
         self.n_held = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(n_layers)]
         self.evicted = torch.zeros(batch, dtype=torch.int64, device=device)  # positions dropped so far (layer 0)
+        if self.prefill_whole:  # SnapKV's rules: the length of each sequence's first call (its compressed prompt)
+            self.prefill_len = torch.zeros(batch, dtype=torch.int64, device=device)
 
     @classmethod
     def for_model(cls, model, batch, budget, kernels=None, **options):
@@ -366,17 +376,71 @@ class BudgetCache(KVCache):
         return self.pos[layer][b].gather(1, self.index[layer][b, :, :n])
 
     def nbytes(self) -> int:
-        """Bytes of the K/V buffers (budget + chunk rows each); the index and scores are bookkeeping."""
-        return sum(t.nbytes for t in self.k + self.v)
+        """Bytes of every tensor the cache holds: the K/V buffers and the bookkeeping (index, positions,
+        scores, a rule's statistics), the total ``kvlib.footprint.held_bytes`` counts."""
+        from .footprint import held_bytes
+
+        return held_bytes(self).total
+
+    # ---- buffers that grow (SnapKV's default keeps every decoded token) ------------------------------
+
+    #: per-slot tensors of a layer and the dimension along the slots: what growing a layer reallocates
+    slot_tensors = (("k", 2), ("v", 2), ("index", 2), ("pos", 2), ("rot", 2), ("score", 2))
+
+    def sequence(self, b: int) -> "BudgetCache":
+        """A batch-1 view of sequence b sharing this cache's buffers (``KVCache.sequence``); a view that must
+        grow its buffers grows this cache's (every sequence's rows) and takes the new ones."""
+        view = super().sequence(b)
+        view._parent, view._row = weakref.ref(self), int(b)  # a weakref: callable, so footprint skips it
+        return view
+
+    def _slots(self, layer_idx: int) -> int:
+        return self.index[layer_idx].shape[2]
+
+    def _resize(self, layer_idx: int, n_slots: int, keep: bool = True):
+        """Reallocate layer ``layer_idx``'s per-slot tensors with ``n_slots`` slots (the first slots keep their
+        contents when ``keep``; new slots are free). A view resizes its parent and takes its rows."""
+        parent = getattr(self, "_parent", None)
+        if parent is not None:
+            owner = parent()
+            owner._resize(layer_idx, n_slots, keep)
+            for name, _ in self.slot_tensors:
+                getattr(self, name)[layer_idx] = getattr(owner, name)[layer_idx][self._row: self._row + 1]
+            self.max_len = owner.max_len
+            return
+        for name, dim in self.slot_tensors:
+            t = getattr(self, name)[layer_idx]
+            if t.shape[dim] == 0:  # a per-slot tensor the rule does not use stays empty
+                continue
+            shape = list(t.shape)
+            old, shape[dim] = shape[dim], n_slots
+            new = torch.full(shape, -1 if name == "pos" else 0, dtype=t.dtype, device=t.device)
+            if keep:
+                m = min(old, n_slots)
+                new.narrow(dim, 0, m).copy_(t.narrow(dim, 0, m))
+            getattr(self, name)[layer_idx] = new
+        self.max_len = max(self._slots(layer) for layer in range(len(self.k)))
+
+    def _make_slots(self, layer_idx: int, T: int):
+        """Room for T more positions in every sequence of ``layer_idx``: grow by whole chunks when needed."""
+        need = int(self.n_held[layer_idx].max()) + T
+        have = self._slots(layer_idx)
+        if need > have:  # the old slots are copied whole: held rows stay where they are
+            self._resize(layer_idx, have + -(-(need - have) // self.chunk) * self.chunk)
 
     def reset(self, batch: int | None = None, length: int | None = None):
-        """Empty the cache. A budgeted cache accepts any ``length``: it never holds more than its budget."""
+        """Empty the cache. A budgeted cache accepts any ``length``: it never holds more than its budget (the
+        paper's SnapKV grows with the tokens it keeps; ``reset`` gives back what it grew: budget + chunk)."""
         B = self.seq_lens.shape[0]
         if batch is not None and batch != B:
             raise ValueError(f"the cache holds batch={B} sequence(s), got {batch} prompt(s): build it with batch={batch}")
         self.seq_lens.zero_()
         self.evicted.zero_()
+        if self.prefill_whole:
+            self.prefill_len.zero_()
         for layer in range(len(self.k)):
+            if self._slots(layer) != self.budgets[layer] + self.chunk and getattr(self, "_parent", None) is None:
+                self._resize(layer, self.budgets[layer] + self.chunk, keep=False)  # (a view keeps its cache's rows)
             self.n_held[layer].zero_()
             self.pos[layer].fill_(-1)
             self.score[layer].zero_()
@@ -411,9 +475,13 @@ class BudgetCache(KVCache):
         b, length = self._check_truncate(b, length)
         cut = int(self.seq_lens[b]) - length
         exact = not (cut and (self.needs_probs or self.needs_queries))
+        prefill = int(self.prefill_len[b]) if self.prefill_whole else 0
         for layer in range(len(self.k)):
             n = int(self.n_held[layer][b])
-            if n >= self.budgets[layer]:
+            if self.keeps_decoded:  # compressed once: exact unless the cut reaches into a compressed prompt
+                if prefill > self.budgets[layer] and length < prefill:
+                    exact = False
+            elif n >= self.budgets[layer]:
                 exact = exact and cut == 0
             index, pos = self.index[layer][b, :, :n], self.pos[layer][b]  # index: held slots in position order
             kept = (pos.gather(1, index) < length).sum(1)  # (H_KV,) kept entries: a prefix of each row
@@ -434,6 +502,8 @@ class BudgetCache(KVCache):
             if self.positions == "reassign" and int(kept.max()) > m:  # ranks moved: renumber what is held
                 self._renumber(layer, int(self.n_held[layer].max()))
         self.seq_lens[b] = length
+        if self.prefill_whole:
+            self.prefill_len[b] = min(prefill, length)
         return exact
 
     def rotated_keys(self, layer_idx: int) -> torch.Tensor:
@@ -474,16 +544,82 @@ class BudgetCache(KVCache):
         if T > 1 and B > 1 and int(self.seq_lens.min()) != int(self.seq_lens.max()):
             raise ValueError("a multi-token call must extend sequences of equal length; "
                              "prefill ragged prompts one at a time with cache.sequence(b)")
-        outs = []
-        for t0 in range(0, T, self.chunk):
-            t1 = min(T, t0 + self.chunk)
-            outs.append(self._step(layer_idx, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], t0))
+        prefill = self.prefill_whole and not bool(self.seq_lens.any())  # the first call of every sequence
+        if prefill and T > self.budgets[layer_idx]:
+            out = self._compress_prefill(layer_idx, q, k, v)  # attend fully, keep the budget (SnapKV)
+        elif prefill or self.keeps_decoded:  # the whole call in one step: nothing is evicted in it
+            self._make_slots(layer_idx, T)
+            out = self._step(layer_idx, q, k, v, 0, evict=not self.keeps_decoded)
+        else:
+            outs = []
+            for t0 in range(0, T, self.chunk):
+                t1 = min(T, t0 + self.chunk)
+                outs.append(self._step(layer_idx, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], t0))
+            out = torch.cat(outs, dim=2)
         if layer_idx == len(self.k) - 1:
+            if prefill:
+                self.prefill_len.fill_(T)
             self.seq_lens += T
-        return torch.cat(outs, dim=2)
+        return out
 
-    def _step(self, layer_idx, q, k, v, t0):
-        """Append T <= chunk tokens, attend, then evict down to the budget."""
+    # ---- SnapKV's prefill: attend over the prompt itself, store only what is kept -------------------
+
+    #: the first call on an empty cache attends fully over itself and is compressed once afterwards
+    prefill_whole = False
+    #: after the prefill every token is kept (nothing is evicted): the buffers grow instead
+    keeps_decoded = False
+
+    def prefill_priority(self, layer_idx: int, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """(B, H_KV, T) priority of a prompt's positions from its queries q (B, H, T, D) and keys (B, H_KV, T, D)
+        fp32 as attention reads them (rotated); the budget highest are kept (prefill_whole rules)."""
+        raise NotImplementedError
+
+    def after_prefill(self, layer_idx: int, keep: torch.Tensor):
+        """Hook after the prefill stored the kept positions ``keep`` (B, H_KV, n) in slots 0..n-1."""
+
+    def _compress_prefill(self, layer_idx, q, k, v):
+        """The prompt (T > budget positions, every sequence empty) attends fully over itself, as without a cache;
+        then the budget highest ``prefill_priority`` positions are written to slots 0..budget-1 in position
+        order. Only the kept rows are ever stored: no buffer holds the whole prompt."""
+        B, H, T, D = q.shape
+        H_KV = k.shape[1]
+        n_rep = H // H_KV
+        budget = self.budgets[layer_idx]
+        p = torch.arange(T, device=q.device)  # the prompt's true positions (and ranks): the cache is empty
+        keys = k.float()
+        if self.keys_before_rope:  # the model handed unrotated keys: rotate them to their positions, in fp32
+            keys = rotate(keys, *rope_cos_sin(p.expand(B, H_KV, T), self.inv_freq, torch.float32))
+        k_all, v_all = keys.repeat_interleave(n_rep, 1), v.float().repeat_interleave(n_rep, 1)
+        outs = []
+        for t0 in range(0, T, 256):  # causal attention over the call itself, 256 query rows at a time
+            t1 = min(T, t0 + 256)
+            scores = q[:, :, t0:t1].float() @ k_all.transpose(-1, -2) / math.sqrt(D)  # (B, H, t1 - t0, T)
+            future = p[None] > p[t0:t1, None]
+            outs.append(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v_all)
+        out = torch.cat(outs, dim=2).to(q.dtype)
+
+        keep = keep_highest(self.prefill_priority(layer_idx, q, keys), torch.full((B,), T, device=q.device), budget)
+        self._make_slots(layer_idx, budget)  # a view or a reset cache may need its budget's rows back
+        kb, vb, index, pos, rot = (self.k[layer_idx], self.v[layer_idx], self.index[layer_idx],
+                                   self.pos[layer_idx], self.rot[layer_idx])
+        rows = keep[..., None].expand(B, H_KV, budget, D)
+        kb[:, :, :budget] = k.gather(2, rows)
+        vb[:, :, :budget] = v.gather(2, rows)
+        pos.fill_(-1)
+        pos[:, :, :budget] = keep
+        rot[:, :, :budget] = keep
+        self.score[layer_idx].zero_()
+        index[:, :, :budget] = torch.arange(budget, device=q.device)
+        self.n_held[layer_idx].fill_(budget)
+        if layer_idx == 0:
+            self.evicted += T - budget
+        if self.positions == "reassign":  # held entry j sits at rank j
+            self._renumber(layer_idx, budget)
+        self.after_prefill(layer_idx, keep)
+        return out
+
+    def _step(self, layer_idx, q, k, v, t0, evict=True):
+        """Append T tokens (T <= chunk, or fewer than the free slots), attend, then evict down to the budget."""
         B, H, T, D = q.shape
         H_KV = k.shape[1]
         n_rep = H // H_KV
@@ -533,7 +669,7 @@ class BudgetCache(KVCache):
 
         # evict: keep the budget highest priorities; free the other slots
         budget = self.budgets[layer_idx]
-        if N > budget:
+        if evict and N > budget:
             keep = keep_highest(self.priority(layer_idx, N), n_new, budget)  # (B, H_KV, budget)
             rows = index[:, :, :N]
             kept = torch.zeros_like(rows, dtype=torch.bool).scatter_(2, keep, True)
@@ -687,44 +823,92 @@ def check_snapkv_options(window, budget, kernel, pooling):
 
 
 class SnapKVCache(BudgetCache):
-    """SnapKV: the last ``window`` queries vote; keep the window + the positions with the most votes.
+    """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation",
+    arXiv:2404.14469): the prompt's last ``window`` queries vote; keep the window + the positions with the
+    most votes.
+
+    Default (``decode_evict=False``), as in the paper, its reference code (github.com/FasterDecoding/SnapKV,
+    ``snapkv_utils.py``) and kvpress's ``SnapKVPress``: the first call on an empty cache (the prefill)
+    attends fully over the prompt; if the prompt is longer than the budget it is compressed *once* to
+    ``budget`` positions, and every later token is kept: ``held(b) = min(prompt, budget) + tokens fed
+    since``. Only the kept rows are stored (the prompt attends over its own K/V); the buffers start at
+    budget + ``chunk`` rows and grow by ``chunk`` rows when the kept tokens fill them (``reset`` gives the
+    growth back). ``prefill_len`` records each sequence's prefill.
+
+    ``decode_evict=True`` is *ours*, not the paper's: the same prefill, then every later call runs in
+    ``chunk``-token steps, each followed by an eviction back to the budget, with the latest ``window``
+    queries as voters (``obs``: their attention per slot, (B, H_KV, window, budget + chunk) per layer).
 
     Votes are the observation window's attention probabilities summed over its queries and the K/V
     head's query heads (kvpress's averaging for grouped heads, the same ranking), smoothed by a
     max-pool of width ``kernel`` over the positions before the window (``pool_votes``; the defaults
     window 32, kernel 7, max-pool are the configuration of SnapKV's LongBench runs, ``pooling="avg"``
-    and kernel 5 the reference code's defaults). The default ``chunk=4096`` makes a prompt attend fully
-    and be compressed once after its prefill, as in the paper; the paper then keeps every generated
-    token, while this cache goes on evicting during decoding, one position per step, with the latest
-    ``window`` queries as voters.
+    and kernel 5 the reference code's defaults). The prefill's choice is ``snapkv_select`` on the
+    prompt's queries and keys.
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
-    >>> cache = SnapKVCache.for_model(model, batch=1, budget=4, window=2, chunk=16)
+    >>> cache = SnapKVCache.for_model(model, batch=1, budget=4, window=2)
     >>> with torch.no_grad():
-    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
-    >>> cache.held(0), cache.held_positions(0)[0, -2:].tolist()  # the observation window is kept
-    (4, [5, 6])
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)  # the prefill: 7 -> 4
+    ...     _ = model(torch.tensor([[8]]), positions=cache.next_positions(), cache=cache)  # kept
+    >>> cache.held(0), cache.held_positions(0)[0, -3:].tolist()  # the observation window + the new token
+    (5, [5, 6, 7])
+    >>> ours = SnapKVCache.for_model(model, batch=1, budget=4, window=2, decode_evict=True)
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=ours)
+    ...     _ = model(torch.tensor([[8]]), positions=ours.next_positions(), cache=ours)
+    >>> ours.held(0)  # evicted back to the budget
+    4
     """
 
-    needs_probs = True
+    prefill_whole = True
 
-    def __init__(self, *args, window: int = 32, kernel: int = 7, pooling: str = "max", **kw):
-        kw.setdefault("chunk", 4096)
+    def __init__(self, *args, window: int = 32, kernel: int = 7, pooling: str = "max", decode_evict: bool = False,
+                 **kw):
+        if not isinstance(decode_evict, bool):
+            raise TypeError(f"decode_evict must be a bool, got {type(decode_evict).__name__} {decode_evict!r}")
         super().__init__(*args, **kw)
         self.window, self.kernel, self.pooling = check_snapkv_options(window, min(self.budgets), kernel, pooling)
-        # the latest `window` queries' attention per physical slot: (B, H_KV, window, N_slots) per layer
-        self.obs = [torch.zeros(*index.shape[:2], self.window, index.shape[2], device=self.seq_lens.device)
-                    for index in self.index]
+        self.decode_evict = decode_evict
+        self.keeps_decoded = not decode_evict  # the paper's rule: compress once, then keep every token
+        self.needs_probs = decode_evict  # votes after the prefill only when evicting while decoding
+        # the latest `window` queries' attention per physical slot: (B, H_KV, window, N_slots) per layer; only
+        # decode_evict votes after the prefill (allocated on first use otherwise)
+        self.obs = [self._new_obs(index, decode_evict) for index in self.index]
+
+    slot_tensors = BudgetCache.slot_tensors + (("obs", 3),)
+
+    def _new_obs(self, index, used=True):
+        """(B, H_KV, window, N_slots) zeros; with N_slots = 0 when unused (an empty per-slot tensor never grows)."""
+        return torch.zeros(*index.shape[:2], self.window, index.shape[2] if used else 0, device=index.device)
 
     def reset(self, batch=None, length=None):
         super().reset(batch, length)
         for o in self.obs:
             o.zero_()
 
+    def prefill_priority(self, layer_idx, q, keys):
+        votes = window_votes(q, keys, self.window)  # (B, H_KV, window, T)
+        self._prefill_votes = votes if self.decode_evict else None
+        T = keys.shape[2]
+        in_window = (torch.arange(T, device=q.device) >= T - self.window)[None, None]
+        return pool_votes(votes.sum(2), in_window.expand(q.shape[0], 1, T), self.kernel, self.pooling)
+
+    def after_prefill(self, layer_idx, keep):
+        votes, self._prefill_votes = self._prefill_votes, None
+        if votes is None:
+            return
+        obs = self.obs[layer_idx]
+        B, H_KV, n = keep.shape
+        obs.zero_()  # the window's votes on the kept positions: the voters of the first eviction
+        obs[:, :, :, :n] = votes.gather(3, keep[:, :, None].expand(B, H_KV, self.window, n))
+
     def observe(self, layer_idx, probs, N):
         B, H, T, _ = probs.shape
         H_KV = self.index[layer_idx].shape[1]
+        if self.obs[layer_idx].shape[3] != self.index[layer_idx].shape[2]:  # unused so far: allocate it now
+            self.obs[layer_idx] = self._new_obs(self.index[layer_idx])
         rows = self.index[layer_idx][:, :, :N]
         voted = probs.float().view(B, H_KV, H // H_KV, T, N).sum(2)[:, :, -self.window:]  # (B, H_KV, <=w, N)
         w = voted.shape[2]
@@ -734,7 +918,8 @@ class SnapKVCache(BudgetCache):
         obs.copy_(torch.cat([obs[:, :, w:], new], dim=2))  # a shift register of the latest voters
 
     def on_drop(self, layer_idx, drop_mask):
-        self.obs[layer_idx].masked_fill_(drop_mask[:, :, None], 0.0)
+        if self.obs[layer_idx].shape[3] == drop_mask.shape[2]:
+            self.obs[layer_idx].masked_fill_(drop_mask[:, :, None], 0.0)
 
     def priority(self, layer_idx, N):
         rows = self.index[layer_idx][:, :, :N]
@@ -744,15 +929,36 @@ class SnapKVCache(BudgetCache):
         return pool_votes(votes, j >= n - self.window, self.kernel, self.pooling)  # the window and past the end
 
 
+def window_votes(q: torch.Tensor, k: torch.Tensor, window: int) -> torch.Tensor:
+    """The last ``window`` queries' causal attention over the prompt, summed over each K/V head's query heads:
+    (B, H_KV, window, T) fp32. q (B, H, T, D), k (B, H_KV, T, D) as attention reads them (rotated).
+
+    Recomputed from q and k (softmax in fp32), as SnapKV's and kvpress's code do beside a fused attention
+    kernel that returns no probabilities.
+
+    >>> votes = window_votes(torch.zeros(1, 2, 5, 4), torch.zeros(1, 1, 5, 4), window=2)  # equal scores
+    >>> votes[0, 0]  # query 3 sees 4 positions, query 4 sees 5; two query heads each
+    tensor([[0.5000, 0.5000, 0.5000, 0.5000, 0.0000],
+            [0.4000, 0.4000, 0.4000, 0.4000, 0.4000]])
+    """
+    B, H, T, D = q.shape
+    H_KV = k.shape[1]
+    w = q[:, :, -window:].float().view(B, H_KV, H // H_KV, window, D)
+    logits = w @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (B, H_KV, n_rep, window, T)
+    causal = torch.arange(T, device=q.device) <= torch.arange(T - window, T, device=q.device)[:, None]
+    return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).sum(2)
+
+
 def snapkv_select(q: torch.Tensor, k: torch.Tensor, budget: int, window: int, kernel: int = 7,
                   pooling: str = "max") -> torch.Tensor:
     """SnapKV's choice over one prompt, from its queries and keys alone: (B, H_KV, budget) positions to keep,
     ascending. q (B, H, T, D) and k (B, H_KV, T, D), both as attention reads them (rotated).
 
     The last ``window`` queries' attention over the prompt is recomputed here (causal, softmax in fp32), as
-    SnapKV's and kvpress's code do beside a fused attention kernel; its votes over the positions before the
-    window are summed over the window's queries and the K/V head's query heads, pooled (``pool_votes``),
-    and the ``budget - window`` best join the window. Used by ``kvlib.kivi.SnapKiviCache``.
+    SnapKV's and kvpress's code do beside a fused attention kernel (``window_votes``); its votes over the
+    positions before the window are summed over the K/V head's query heads and the window's queries, pooled
+    (``pool_votes``), and the ``budget - window`` best join the window. ``SnapKVCache``'s prefill keeps
+    these positions; ``kvlib.kivi.SnapKiviCache`` uses it too.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k = torch.randn(1, 2, 10, 4, generator=g), torch.randn(1, 1, 10, 4, generator=g)
@@ -760,15 +966,10 @@ def snapkv_select(q: torch.Tensor, k: torch.Tensor, budget: int, window: int, ke
     [8, 9]
     """
     B, H, T, D = q.shape
-    H_KV = k.shape[1]
     budget, window = check_int("budget", budget), check_int("window", window)
     if not window < budget <= T:
         raise ValueError(f"need window < budget <= the prompt's length, got window={window}, budget={budget}, T={T}")
-    w = q[:, :, -window:].float().view(B, H_KV, H // H_KV, window, D)
-    logits = w @ k.float()[:, :, None].transpose(-1, -2) / math.sqrt(D)  # (B, H_KV, n_rep, window, T)
-    causal = torch.arange(T, device=q.device) <= torch.arange(T - window, T, device=q.device)[:, None]
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    votes = probs.sum(dim=(2, 3))  # (B, H_KV, T)
+    votes = window_votes(q, k, window).sum(2)  # (B, H_KV, T): summed over the window's queries
     in_window = (torch.arange(T, device=q.device) >= T - window)[None, None]
     pooled = pool_votes(votes, in_window.expand(B, 1, T), kernel, pooling)
     return keep_highest(pooled, torch.full((B,), T, device=q.device), budget)  # ties as the budgeted caches break them
@@ -810,8 +1011,9 @@ class PyramidKVCache(SnapKVCache):
     better spent unevenly. ``budget`` is the mean over layers; ``pyramid_budgets`` gives each layer its
     own (``beta`` sets the slope: the last layer selects budget / beta positions beyond the window).
     Each layer's buffers hold its budget + one chunk, so the total is what a uniform budget costs.
-    ``held(b, layer)`` differs by layer. The reference code compresses the prompt only, with
-    SnapKV's rule; like ``SnapKVCache`` this cache also evicts while decoding.
+    ``held(b, layer)`` differs by layer. As in the reference code (and kvpress's ``PyramidKVPress``) the
+    prompt is compressed once, with SnapKV's rule, and every later token is kept (``decode_evict=False``,
+    the default); ``decode_evict=True`` goes on evicting while decoding, as ``SnapKVCache``'s option (ours).
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=4, n_heads=2, hidden_dim=64)).eval()

@@ -2,9 +2,9 @@
 
 What you will learn:
 - a cache's memory is every tensor it allocates, not only its K/V payload: eviction rules keep an
-  index, positions and scores per slot, SnapKV an observation window, KIVI a full-precision residual
-  and fp16 scales, and a budgeted cache preallocates ``budget + chunk`` slots (SnapKV's default
-  ``chunk=4096`` makes a "5%" cache larger than the full one);
+  index, positions and scores per slot, SnapKV an observation window (when it evicts while decoding),
+  KIVI a full-precision residual and fp16 scales, and a budgeted cache preallocates ``budget + chunk``
+  slots (the paper's SnapKV grows them by ``chunk`` as it keeps decoded tokens);
 - ``cache_tensors``: every tensor found by walking the cache object's attributes (lists, tuples,
   dicts and the plain objects it owns), each storage once, named by its path ("k[3]", "allocator.free");
 - ``held_bytes``: those bytes split into payload, scales/zeros, indices/positions, scores/statistics

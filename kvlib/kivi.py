@@ -673,8 +673,8 @@ class SnapKiviCache(KiviCache):
     The prompt (a call on an empty cache longer than ``budget``) attends exactly over its own K/V, as in
     both papers; ``kvlib.evict.snapkv_select`` then recomputes the last ``window`` queries' attention and
     keeps the window + the best-voted positions, and only those enter KIVI's layout (the newest of them in
-    its exact windows). Later tokens are all kept, as SnapKV's paper does after the prefill (unlike
-    ``SnapKVCache``, which goes on evicting), so the cache grows by one low-bit token per step. Keys are
+    its exact windows). Later tokens are all kept, as SnapKV's paper does after the prefill (as ``SnapKVCache`` does by
+    default; its ``decode_evict=True`` goes on evicting), so the cache grows by one low-bit token per step. Keys are
     stored rotated at their true positions, so dropping positions changes no key; ``next_positions``
     counts the dropped ones (``dropped``).
 

@@ -968,6 +968,7 @@ def paged_decode_minimal(q, k_blocks, v_blocks, block_tables, seq_lens, tile_n: 
     block_size, H_KV = k_blocks.shape[1], k_blocks.shape[2]
     out = torch.empty_like(q)
     tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] with a unit stride
     _paged_decode_minimal_kernel[(B * H,)](
         q, k_blocks, v_blocks, out, tables, seq_lens, q.stride(0), q.stride(1), k_blocks.stride(0),
         k_blocks.stride(1), k_blocks.stride(2), tables.stride(0), H, D, H // H_KV, math.log2(math.e) / math.sqrt(D),

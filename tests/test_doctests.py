@@ -26,7 +26,7 @@ MUST_HAVE_EXAMPLES = {
     "kvlib.model": ["load_hf", "Transformer.forward"],
     "kvlib._triton": ["check_kernel_dtype"],
     "kvlib.engine": ["Engine"],
-    "kvlib.evict": ["keep_highest", "sink_window_priority", "h2o_accumulate", "index_decode_attention",
+    "kvlib.evict": ["keep_highest", "window_votes", "sink_window_priority", "h2o_accumulate", "index_decode_attention",
                     "index_decode_attention_ref", "SlidingWindowCache", "SinkCache", "H2OCache", "SnapKVCache",
                     "PagedWindowCache", "pool_votes", "snapkv_select", "pyramid_budgets", "PyramidKVCache",
                     "KnormCache", "TOVACache", "ExpectedAttentionCache"],

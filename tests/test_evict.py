@@ -5,21 +5,28 @@ import torch
 
 from kvlib import runtime
 from kvlib.cache import KVCache
-from kvlib.evict import (ExpectedAttentionCache, H2OCache, KnormCache, PagedWindowCache, SinkCache,
+from kvlib.evict import (ExpectedAttentionCache, H2OCache, KnormCache, PagedWindowCache, PyramidKVCache, SinkCache,
                          SlidingWindowCache, SnapKVCache, TOVACache, _rotate, h2o_accumulate, index_decode_attention,
-                         index_decode_attention_ref, keep_highest, sink_window_priority)
+                         index_decode_attention_ref, keep_highest, sink_window_priority, snapkv_select)
+from kvlib.footprint import held_bytes
 from kvlib.generate import generate
 from kvlib.model import ModelConfig, Transformer, apply_rope, load_tiny
 from kvlib.paged import PagedKVCache
 
+# the rules that hold their budget after every call (SnapKV's re-evicting variant, ours, among them)
 METHODS = {
     "window": (SlidingWindowCache, {}),
     "sinks": (SinkCache, {"n_sink": 2}),
     "h2o": (H2OCache, {}),
-    "snapkv": (SnapKVCache, {"window": 4}),
+    "snapkv": (SnapKVCache, {"window": 4, "decode_evict": True}),
     "knorm": (KnormCache, {}),
     "tova": (TOVACache, {}),
     "expected attention": (ExpectedAttentionCache, {"n_sink": 2}),
+}
+# the rules as their papers define them: compress the prompt once, then keep every token
+ONCE = {
+    "snapkv paper": (SnapKVCache, {"window": 4}),
+    "pyramidkv paper": (PyramidKVCache, {"window": 4}),
 }
 
 
@@ -123,24 +130,26 @@ def test_rotation_composes_and_matches_the_models_rope(tiny):
 # ---- the caches through the model --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(METHODS) + sorted(ONCE))
 @pytest.mark.parametrize("positions", ["kept", "reassign"])
 def test_budget_covering_the_sequence_gives_the_full_caches_tokens(tiny, method, positions):
     model, tok = tiny
     prompts = [tok.encode("def add(a, b):\n    return"), tok.encode("The cache")]
-    cls, opts = METHODS[method]
+    cls, opts = {**METHODS, **ONCE}[method]
+    if cls is PyramidKVCache:
+        opts = {**opts, "beta": 1}  # every layer the same budget: 64 covers the sequence in each
     full = generate(model, prompts, 12)
     cache = cls.for_model(model, batch=2, budget=64, chunk=8, positions=positions, **opts)
     assert torch.equal(generate(model, prompts, 12, cache=cache), full)
     assert cache.held(0) == len(prompts[0]) + 11 and int(cache.evicted.sum()) == 0
 
 
-@pytest.mark.parametrize("method", ["window", "h2o", "tova", "expected attention"])
+@pytest.mark.parametrize("method", ["window", "h2o", "tova", "expected attention", "snapkv paper"])
 def test_triton_decode_path_matches_torch_path(method):
     # both paths on the device model: in GPU mode the Triton kernel needs CUDA tensors, and on one model the
     # two runs differ only in the decode kernel (on a CPU this is the CPU model, the kernel interpreted)
     model = gqa_model().to(runtime.DEVICE)
-    cls, opts = METHODS[method]
+    cls, opts = {**METHODS, **ONCE}[method]
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
     outs = []
     for kernels in ("torch", "triton"):
@@ -189,6 +198,8 @@ def test_streaming_inside_one_call_equals_separate_calls():
     model = gqa_model()
     ids = torch.randint(0, 64, (1, 23), generator=torch.Generator().manual_seed(3))
     for cls, opts in METHODS.values():
+        if cls.prefill_whole:  # SnapKV: its first call (the prefill) attends fully however long, by definition
+            continue
         one = cls.for_model(model, 1, budget=7, chunk=5, **opts)
         many = cls.for_model(model, 1, budget=7, chunk=5, **opts)
         with torch.no_grad():
@@ -231,18 +242,170 @@ def test_h2o_keeps_the_position_that_received_the_most_attention():
         assert bool((heavy > 0).all())
 
 
-def test_snapkv_compresses_once_after_a_full_prefill():
+@pytest.mark.parametrize("decode_evict", [False, True])
+def test_snapkv_compresses_once_after_a_full_prefill(decode_evict):
     model = gqa_model()
     ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(6))
-    cache = SnapKVCache.for_model(model, 1, budget=10, window=4, chunk=64)
+    cache = SnapKVCache.for_model(model, 1, budget=10, window=4, chunk=3, decode_evict=decode_evict)
     with torch.no_grad():
         full = model(ids, cache=KVCache.for_model(model, 1, 40))
         out = model(ids, cache=cache)
-    assert torch.allclose(out, full, atol=1e-5)  # the prompt attended fully; compression comes after
+    assert torch.allclose(out, full, atol=1e-5)  # the prompt attended fully (chunk plays no part); compression after
     assert cache.held(0) == 10 and cache.held_positions(0)[:, -4:].tolist() == [list(range(36, 40))] * 2
+    assert cache.prefill_len.tolist() == [40] and int(cache.evicted[0]) == 30
+    assert all(cache.index[layer].shape[2] == 10 + 3 for layer in range(2))  # never a row for the whole prompt
+
+
+class _Recorder(KVCache):
+    """A full cache that also keeps each layer's queries of the last call: the prompt's q and k as attended."""
+
+    def attend(self, layer_idx, q, k, v):
+        self.q = getattr(self, "q", {})
+        self.q[layer_idx] = q
+        return super().attend(layer_idx, q, k, v)
+
+
+@pytest.mark.parametrize("cls", [SnapKVCache, PyramidKVCache])
+@pytest.mark.parametrize("pooling, kernel", [("max", 7), ("avg", 5)])
+def test_the_default_keeps_what_snapkv_select_chooses_on_the_prompt(tiny, cls, pooling, kernel):
+    model, _ = tiny
+    T, budget, window = 61, 20, 6  # an odd prompt length; Pyramid: every layer its own budget
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(11))
+    ids = ids.to(model.device)
+    rec = _Recorder.for_model(model, 2, T)
+    cache = cls.for_model(model, 2, budget, window=window, kernel=kernel, pooling=pooling, kernels="torch")
+    with torch.no_grad():
+        model(ids, cache=rec)
+        model(ids, cache=cache)
+    for layer in range(model.config.n_layers):
+        want = snapkv_select(rec.q[layer], rec.k[layer][:, :, :T], cache.budgets[layer], window, kernel, pooling)
+        for b in range(2):
+            assert torch.equal(cache.held_positions(b, layer), want[b]), (layer, b)
+
+
+@pytest.mark.parametrize("method", sorted(ONCE))
+def test_the_default_keeps_every_decoded_token_and_decode_evict_keeps_the_budget(method):
+    model = gqa_model(n_kv_heads=2)
+    cls, opts = ONCE[method]
+    ids = torch.randint(0, 64, (1, 37), generator=torch.Generator().manual_seed(2))
+    paper = cls.for_model(model, 1, budget=9, chunk=4, **opts)
+    ours = cls.for_model(model, 1, budget=9, chunk=4, decode_evict=True, **opts)
+    with torch.no_grad():
+        for cache in (paper, ours):
+            model(ids[:, :25], cache=cache)  # the prefill: 25 positions compressed to each layer's budget
+            for t in range(25, 37):  # 12 decoded tokens (more than the 4 spare rows: the paper's buffers grow)
+                model(ids[:, t:t + 1], positions=torch.tensor([[t]]), cache=cache)
+    for layer, budget in enumerate(paper.budgets):
+        kept = paper.held_positions(0, layer)
+        assert kept.shape == (2, min(25, budget) + 12)
+        assert kept[:, -12:].tolist() == [list(range(25, 37))] * 2  # every decoded token is held
+        assert kept[:, :min(25, budget)].max() < 25
+        assert ours.held(0, layer) == budget and int(ours.held_positions(0, layer).max()) == 36
+    assert int(paper.evicted[0]) == 25 - paper.budgets[0] and int(ours.evicted[0]) == 37 - ours.budgets[0]
+    grown = paper.index[0].shape[2]
+    assert grown >= paper.budgets[0] + 12 and (grown - paper.budgets[0]) % 4 == 0  # grown by whole chunks
+    paper.reset()
+    assert [paper.index[layer].shape[2] for layer in range(2)] == [b + 4 for b in paper.budgets]
+
+
+def test_the_defaults_growing_buffers_give_the_tokens_of_roomy_ones_also_through_views():
+    """generate prefills ragged prompts through cache.sequence(b) views; decoding then grows the buffers."""
+    model = gqa_model()
+    prompts = [list(range(1, 30)), list(range(40, 51))]
+    outs, caches = [], []
+    for chunk in (2, 64):
+        cache = SnapKVCache.for_model(model, 2, budget=8, window=3, chunk=chunk)
+        outs.append(generate(model, prompts, 20, cache=cache))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    small, roomy = caches
+    assert [small.held(b) for b in (0, 1)] == [8 + 19] * 2 and small.prefill_len.tolist() == [29, 11]
+    for layer in range(2):
+        assert torch.equal(small.held_positions(0, layer), roomy.held_positions(0, layer))
+    assert small.index[0].shape[2] == 28 and small.k[0].shape[2] == 28  # 8 + 2, then nine growths of 2
+    view = small.sequence(1)  # a view that must grow makes its cache grow: every sequence's rows
+    with torch.no_grad():
+        model(torch.arange(5)[None], positions=torch.arange(30, 35)[None], cache=view)
+    assert small.held(1) == 27 + 5 and small.index[0].shape[2] == 32 and small.k[1].shape[2] == 32
+
+
+def test_snapkv_and_pyramidkv_hold_what_their_kept_rows_need(tiny):
+    """After a 256-token prompt at budget 32 on the tiny model: at most 1.5x the bytes H2O holds (issue 42; the old
+    chunk=4096 buffer held 79x), every tensor counted, and nbytes() counts what held_bytes counts."""
+    model, _ = tiny
+    ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+    budget = 32
+    caches = {"h2o": H2OCache.for_model(model, 1, budget)}
+    for name, cls in (("snapkv", SnapKVCache), ("pyramidkv", PyramidKVCache)):
+        for ev in (False, True):
+            caches[name, ev] = cls.for_model(model, 1, budget, window=16, decode_evict=ev)
+    held = {}
+    with torch.no_grad():
+        for name, cache in caches.items():
+            model(ids, cache=cache)
+            held[name] = held_bytes(cache).total
+            assert cache.nbytes() == held[name]
+    for name in held:
+        assert held[name] <= 1.5 * held["h2o"], (name, held[name] / held["h2o"])
+    assert held["snapkv", False] < held["snapkv", True]  # the evicting variant keeps its voters (obs)
+    assert {"obs[0]"} <= set(held_bytes(caches["snapkv", True]).tensors)
+
+
+def test_truncating_tokens_after_the_compressed_prompt_is_exact_and_into_it_is_not():
+    model = gqa_model()
+    ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(8))
+    caches = [SnapKVCache.for_model(model, 1, budget=8, window=3, chunk=4) for _ in range(2)]
+    with torch.no_grad():
+        for cache, end in zip(caches, (32, 26)):
+            model(ids[:, :20], cache=cache)  # the prompt: 20 positions compressed to 8
+            for t in range(20, end):
+                model(ids[:, t:t + 1], positions=torch.tensor([[t]]), cache=cache)
+    long, short = caches
+    assert long.truncate(0, 26) is True  # the cut tokens were kept and never voted: exact
+    for layer in range(2):
+        assert torch.equal(long.held_positions(0, layer), short.held_positions(0, layer))
+    with torch.no_grad():
+        a = model(ids[:, 26:27], positions=torch.tensor([[26]]), cache=long)
+        b = model(ids[:, 26:27], positions=torch.tensor([[26]]), cache=short)
+    assert torch.allclose(a, b, atol=1e-6)
+    assert long.truncate(0, 15) is False and long.prefill_len.tolist() == [15]  # the compression saw the cut tokens
+
+
+BATCH = {**METHODS, **ONCE, "pyramidkv": (PyramidKVCache, {"window": 4, "decode_evict": True})}
+
+
+@pytest.mark.parametrize("method", sorted(BATCH))
+def test_a_batch_of_equal_lengths_equals_batch_one_runs(tiny, method):
+    """Three different prompts of one length in one batch: each row keeps its own positions, and the logits and
+    the held positions are those of three batch-1 runs (fp32). Tokens never repeat within a row: the key norm of
+    a repeated token ties exactly in layer 0 (RoPE keeps norms), and a tie is decided by rounding."""
+    model, _ = tiny
+    cls, opts = BATCH[method]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(model.config.vocab_size, generator=g)[:33] for _ in range(3)]).to(model.device)
+
+    def run(rows):
+        cache = cls.for_model(model, len(rows), 12, chunk=4, kernels="torch", **opts)
+        with torch.no_grad():
+            outs = [model(ids[rows, :27], cache=cache)]  # the prefill, then 6 single steps
+            for t in range(27, 33):
+                outs.append(model(ids[rows, t:t + 1], positions=cache.next_positions(), cache=cache))
+        return torch.cat(outs, dim=1), cache
+
+    logits, batch = run([0, 1, 2])
+    for b in range(3):
+        one, single = run([b])
+        assert torch.allclose(logits[b], one[0], atol=1e-5)
+        assert batch.held(b) == single.held(0)
+        for layer in range(model.config.n_layers):
+            assert torch.equal(batch.held_positions(b, layer), single.held_positions(0, layer)), (b, layer)
+    assert not torch.equal(batch.held_positions(0, 0), batch.held_positions(1, 0)) or method in ("window", "sinks")
 
 
 @pytest.mark.parametrize("make, match", [
+    (lambda m: SnapKVCache.for_model(m, 1, budget=8, window=2, decode_evict="yes"), "decode_evict must be a bool"),
+    (lambda m: PyramidKVCache.for_model(m, 1, budget=8, window=2, decode_evict=1), "decode_evict must be a bool"),
     (lambda m: SlidingWindowCache.for_model(m, 1, budget=0), "budget"),
     (lambda m: SlidingWindowCache.for_model(m, 1, budget=4, positions="absolute"), "positions must be"),
     (lambda m: SinkCache.for_model(m, 1, budget=4, n_sink=4), "n_sink must be below"),

@@ -127,3 +127,25 @@ def test_triton_kernels_option_decodes_unrotated_keys_through_pytorch(model_for)
                               positions="reassign", rope="after")
     assert torch.equal(toks[0], toks[1])
     assert torch.equal(toks[0], generate(model_for("torch"), PROMPTS, 12, cache=ref))
+
+
+@pytest.mark.parametrize("positions", ["kept", "reassign"])
+def test_snapkvs_compressed_prefill_stores_keys_before_rope_as_after(model, positions):
+    """SnapKV's prefill (compressed once, only the kept rows stored) with unrotated keys: the same choice, the
+    same keys as attention reads them and the same logits as with rotated ones, then every decoded token kept."""
+    from kvlib.evict import SnapKVCache
+
+    ids = torch.randint(0, 64, (1, 31), generator=torch.Generator().manual_seed(2))
+    out, caches = {}, {}
+    for rope in ("after", "before"):
+        caches[rope] = SnapKVCache.for_model(model, 1, budget=9, window=3, chunk=2, kernels="torch",
+                                             positions=positions, rope=rope)
+        out[rope] = feed(model, caches[rope], ids, [23] + [1] * 8)
+    before, after = caches["before"], caches["after"]
+    assert before.held(0) == 9 + 8 and int(before.evicted[0]) == 23 - 9
+    for layer in range(2):
+        assert torch.equal(before.held_positions(0, layer), after.held_positions(0, layer))
+        assert torch.allclose(before.rotated_keys(layer), after.rotated_keys(layer), atol=1e-4)
+        if positions == "reassign":
+            assert before.rot[layer][0].gather(1, before.index[layer][0, :, :17]).tolist() == [list(range(17))] * 2
+    assert torch.allclose(out["before"], out["after"], atol=1e-4)

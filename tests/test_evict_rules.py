@@ -141,8 +141,8 @@ def gqa_model(n_layers=4):
 
 def test_pyramid_holds_each_layers_budget_in_the_bytes_of_a_uniform_one():
     model = gqa_model()
-    pyr = PyramidKVCache.for_model(model, 1, 12, window=2, chunk=8)
-    snap = SnapKVCache.for_model(model, 1, 12, window=2, chunk=8)
+    pyr = PyramidKVCache.for_model(model, 1, 12, window=2, chunk=8, decode_evict=True)  # every call evicts
+    snap = SnapKVCache.for_model(model, 1, 12, window=2, chunk=8, decode_evict=True)
     assert pyr.nbytes() == snap.nbytes() and pyr.budgets != snap.budgets
     ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():

@@ -159,20 +159,28 @@ def test_window_over_the_second_half_is_34_6_percent():
     assert meter.records[-1][0] == 1024 and held_bytes(cache).total / fp16_cache_bytes(config, 1024) == 0.25
 
 
-def test_snapkv_chunk_and_observation_buffers(model):
-    budget = 8
-    cache = SnapKVCache.for_model(model, batch=1, budget=budget, window=4, kernels="torch")  # default chunk 4096
-    held = held_bytes(cache, float_bytes=2)
-    obs = {p: b for p, (c, b) in held.tensors.items() if p.startswith("obs")}
-    assert set(obs) == {"obs[0]", "obs[1]"} and all(held.tensors[p][0] == "scores" for p in obs)
-    S = budget + 4096
-    assert all(b == 2 * 4 * S * 2 for b in obs.values())  # (B, H_KV, window, slots), fp32 counted at 2 bytes
-    budget_payload = 2 * 2 * 2 * budget * 16 * 2  # what "budget positions in fp16" would be
-    with MemoryMeter(cache, model.config) as meter:
-        feed(model, cache, list(range(20)), [16, 1, 1, 1, 1])
-    assert meter.peak_bytes == held.total > 500 * budget_payload
-    assert held.payload == 2 * 2 * 2 * S * 16 * 2
-    assert cache.held(0) == budget
+def test_snapkv_buffers_hold_the_kept_rows_and_the_evicting_variant_its_voters(model):
+    budget, chunk, window = 8, 4, 4
+    row = 2 * 2 * 16 * 2  # one slot of one layer: K and V x 2 K/V heads x D = 16 x 2 bytes (fp32 counted at 2)
+    paper = SnapKVCache.for_model(model, batch=1, budget=budget, window=window, chunk=chunk, kernels="torch")
+    ours = SnapKVCache.for_model(model, batch=1, budget=budget, window=window, chunk=chunk, kernels="torch",
+                                 decode_evict=True)
+    for cache in (paper, ours):
+        with MemoryMeter(cache, model.config) as meter:
+            feed(model, cache, list(range(26)), [16] + [1] * 10)  # a 16-token prompt, then 10 decoded tokens
+        held = held_bytes(cache, float_bytes=2)
+        obs = {p: b for p, (c, b) in held.tensors.items() if p.startswith("obs")}
+        assert set(obs) == {"obs[0]", "obs[1]"} and all(held.tensors[p][0] == "scores" for p in obs)
+        assert meter.peak_bytes == max(meter.initial.total, max(h.total for _, _, h in meter.records))
+        if cache is paper:  # compressed once to 8, then every token kept: 18 held, slots grown by chunks to 20
+            assert cache.held(0) == budget + 10 and cache.index[0].shape[2] == 20
+            assert held.payload == 2 * 20 * row and all(b == 0 for b in obs.values())  # no voters kept
+            assert meter.peak_bytes == held.total > meter.initial.total  # it grew with what it kept
+        else:  # evicts back to 8 at every step: budget + chunk slots and the window's votes per slot
+            assert cache.held(0) == budget and cache.index[0].shape[2] == budget + chunk
+            assert held.payload == 2 * (budget + chunk) * row
+            assert all(b == 2 * window * (budget + chunk) * 2 for b in obs.values())  # (B, H_KV, window, slots)
+            assert meter.peak_bytes == held.total == meter.initial.total  # preallocated: constant
 
 
 def test_h2o_scores_are_found(model):
