@@ -640,17 +640,12 @@ def test_every_variant_is_named_as_itself_and_only_itself():
 
 @pytest.fixture(scope="module")
 def lab08():
-    """The solution notebook's own trace recorders, run: {name: value} of its namespace."""
-    nb = json.loads((REPO / "solutions" / "08_serving_lab.ipynb").read_text(encoding="utf-8"))
-    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
-    wanted = ("import kvlib", "def toy_model", "def admission_trace", "def preemption_trace", "def chunk_case")
-    namespace = {}
-    for src in cells:
-        if src.startswith(wanted[0]) or any(f in src for f in wanted[1:4]):
-            exec(compile(src, "lab08", "exec"), namespace)
-        elif wanted[4] in src:  # define chunk_case only; the cell's check needs the learner's function
-            exec(compile(src[:src.index("shapes = ")], "lab08", "exec"), namespace)
-    return namespace
+    """The lab's trace recorders, run (kvlib.course.ch08: the code lab 08a's cells call)."""
+    from kvlib.course import ch08
+
+    model = ch08.toy_model()
+    return {"adm_trace": ch08.admission_trace(model)[0], "pre_trace": ch08.preemption_trace(model)[0],
+            "chunk_case": ch08.chunk_case}
 
 
 def test_lab08_reference_rules_are_the_engines(lab08):

@@ -111,22 +111,19 @@ ROWS = [
     Row("SmolLM2, layer 15: the wrong head mapping h % 3 vs h // 3",
         "07_gqa.ipynb", r"the wrong mapping h % 3 is off by up to (?P<err>[\d.]+)", "off by up to {err} (h // 3: agrees)"),
     Row("40 requests, lengths 11× apart, same KV memory: engine steps, static vs continuous batching; "
-        "TTFT p99 in steps", "08_serving.ipynb",
-        r"Static batching in arrival order took (?P<s>\d+) steps for the trace, continuous batching (?P<c>\d+).*?"
-        r"TTFT\*\* in steps, median / p99: static [\d.]+ / (?P<s99>\d+(?:\.\d+)?), continuous [\d.]+ / (?P<c99>\d+(?:\.\d+)?)",
+        "TTFT p99 in steps", "08a_serving_many_requests.ipynb",
+        r"steps: static (?P<s>\d+), continuous (?P<c>\d+); TTFT p99 in steps: static (?P<s99>\d+), continuous (?P<c99>\d+)",
         "{s} vs {c}; {s99} vs {c99}"),
     Row("RAG-like load (30 requests, 3 shared documents): prompt tokens from the prefix cache; tokens "
-        "prefilled, with vs without", "08_serving.ipynb",
+        "prefilled, with vs without", "08b_prefix_cache.ipynb",
         r"With prefix caching the engine served (?P<hit>[\d.]+%) of the prompt tokens from the cache and prefilled "
         r"(?P<a>[\d,]+) tokens instead of (?P<b>[\d,]+)", "{hit}; {a} vs {b}"),
-    Row("SmolLM2, 5 chat requests, tokens/s: the engine vs one request at a time", "08_serving.ipynb",
-        r"served the \d+ requests at \*\*(?P<e>[\d.]+) tokens/s\*\* against \*\*(?P<o>[\d.]+) tokens/s\*\*",
-        "{e} vs {o}"),
-    Row("SmolLM2, 16 chat requests × 32 tokens, outputs token-identical: tokens/s of kvlib's engine / "
-        "transformers `generate_batch` / padded `generate`, serving only, then the whole call", "08_serving.ipynb",
-        r"kvlib Engine\s+(?P<k>[\d.]+)\s+(?P<ks>[\d.]+).*?transformers generate_batch\s+(?P<cb>[\d.]+)\s+(?P<cbs>[\d.]+)"
-        r".*?transformers generate \(padded\)\s+(?P<st>[\d.]+)\s+(?P<sts>[\d.]+)",
-        "serving {ks:.1f} / {cbs:.1f} / {sts:.1f}; whole call {k:.1f} / {cb:.1f} / {st:.1f}"),
+    Row("SmolLM2, 16 chat requests × 32 tokens, token-identical, tokens/s: kvlib / transformers `generate_batch` / "
+        "padded `generate`, serving only (queued to done), then the whole call (setup included)",
+        "08b_prefix_cache.ipynb",
+        (r"serving only, tokens/s: kvlib (?P<ks>[\d.]+), generate_batch (?P<cbs>[\d.]+), padded generate (?P<sts>[\d.]+)",
+         r"whole call, tokens/s: kvlib (?P<k>[\d.]+), generate_batch (?P<cb>[\d.]+), padded generate (?P<st>[\d.]+)"),
+        "serving {ks} / {cbs} / {sts}; whole call {k} / {cb} / {st}"),
     Row("SmolLM2, perplexity on code at a 5% budget: sliding window vs sinks + window, at the memory each "
         "holds (time-averaged, % of fp16); full cache", "09_keeping_less.ipynb",
         (r"the sliding window's perplexity is (?P<w>[\d.]+) and sinks \+ window's (?P<s>[\d.]+) \(full (?P<f>[\d.]+)\)",
@@ -154,12 +151,14 @@ ROWS = [
     Row("DeepSeek-V2 bytes per token (bf16): MLA vs MHA of the same heads", "09_keeping_less.ipynb",
         r"DeepSeek-V2 caches \*\*(?P<m>[\d,]+)\*\* bytes per token with MLA, against (?P<h>[\d,]+) with MHA",
         "{m} vs {h}"),
-    Row("SmolLM2 over HTTP, GuideLLM's Poisson load, one trial each: highest output tokens/s; TTFT p90 / "
-        "ITL p90 at the top rate: kvlib.serve vs `transformers serve`", "10_http_serving.ipynb",
-        r"kvlib\.serve's highest output rate was (?P<k>[\d.]+) tokens/s \([\d.]+ req/s at (?P<t>[\d.]+) offered, TTFT p90 "
-        r"(?P<kt>\d+) ms, ITL p90 (?P<ki>\d+) ms\); transformers serve (?P<h>[\d.]+) \([\d.]+ req/s, TTFT p90 "
-        r"(?P<ht>\d+) ms, ITL p90 (?P<hi>\d+) ms\)",
-        "{k} vs {h} tokens/s; at {t} req/s {kt} / {ki} ms vs {ht} / {hi} ms"),
+    Row("SmolLM2 over HTTP, GuideLLM at the high rate, 3 trials each: requests that met the latency target "
+        "(95% interval), load average: kvlib.serve vs `transformers serve`",
+        "10_http_serving.ipynb",
+        (r"kvlib\.serve at (?P<r>[\d.]+) req/s: (?P<k>\d+ / \d+) requests met the target \(95% interval "
+         r"(?P<kl>\d+)-(?P<kh>\d+%)\), load average (?P<kload>[\d.]+-[\d.]+)",
+         r"transformers serve at [\d.]+ req/s: (?P<t>\d+ / \d+) requests met the target \(95% interval "
+         r"(?P<tl>\d+)-(?P<th>\d+%)\), load average (?P<tload>[\d.]+-[\d.]+)"),
+        "at {r} req/s: {k} ({kl}–{kh}), load {kload} vs {t} ({tl}–{th}), load {tload}"),
     Row("SmolLM2, speculative decoding by prompt lookup (token-identical): best speed-up in CPU time on "
         "code / chat (k, drafts accepted)",
         "11_beyond.ipynb",
@@ -205,7 +204,7 @@ def table(root: Path = ROOT) -> str:
                 raise ValueError(f"notebooks/{row.notebook}: no printed output matches {pattern!r} "
                                  f"(row {row.what!r} in kvlib/course/readme.py)")
             groups.update({k: _Num(v) for k, v in m.groupdict().items()})
-        link = f"[{row.notebook[:2]}](notebooks/{row.notebook})"
+        link = f"[{row.notebook.split('_')[0]}](notebooks/{row.notebook})"
         lines.append(f"| {row.what} | {row.measured.format(**groups)} | {link} |")
     return "\n".join(lines)
 

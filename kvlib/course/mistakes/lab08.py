@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ['admission', 'preemption', 'chunk_slots', 'swap_or_recompute', 'crossover']
+__all__ = ['admission', 'preemption', 'chunk_slots', 'swap_or_recompute', 'crossover', 'preemption_choice',
+           'host_tier_choice', 'cached_tokens']
 
 # --------------------------------------------------------------------------------------------
 # Lab 08 · serving
@@ -190,3 +191,69 @@ def crossover(prefill_s, bytes_per_token, bandwidth, max_len):
     return out
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# Lab 08a's decision, lab 08b (the prefix cache)
+# --------------------------------------------------------------------------------------------
+
+
+def preemption_choice(choice, right) -> str:
+    """The diagnosis of a wrong preemption mode for this machine (lab 08a, exercise 5)."""
+    if choice not in ("swap", "recompute", "it depends"):
+        return 'answer "swap", "recompute" or "it depends"'
+    if right == "it depends":
+        return ("here the cheaper mode changed with the length: one mode for every request is not what the table "
+                "says; a server on this machine would pick per request, or by the length its requests reach")
+    if choice == "recompute":
+        return ("recompute is the usual answer on a GPU for short sequences, but this machine's table says swap was "
+                "cheaper at every length: here a copy inside one memory costs far less than computing the K/V again")
+    if choice == "swap":
+        return "this machine's table says recompute was cheaper at every length measured: the copy cost more here"
+    return "the table names one mode at every length measured: choose that one"
+
+
+def host_tier_choice(choice, right, table) -> str:
+    """The diagnosis of a wrong host-tier size (lab 08b, exercise 2)."""
+    sizes = list(table.index)
+    if not isinstance(choice, int) or isinstance(choice, bool) or choice not in sizes:
+        return f"choose one of the sizes measured: {sizes}"
+    best = table["prefill tokens computed"].min()
+    if table.loc[choice, "prefill tokens computed"] > best:
+        if choice == 0:
+            return ("with no host tier every document block the pool evicts is computed again: the table shows "
+                    "prefill a host tier saves")
+        return ("too small: this tier still computes more prefill than the largest one, so some evicted document "
+                "blocks were pushed out of host memory before a request came back for them")
+    return ("it saves all the prefill the largest tier saves, but so does a smaller one: host memory a tier holds and "
+            "never hits is memory a server pays for nothing (compare 'host blocks used, most')")
+
+
+def _cached_tokens(prompt, cached, block_size, *, chain=True, last_rule=True, unit="tokens"):
+    n_max = (len(prompt) - 1) // block_size if last_rule else len(prompt) // block_size
+    parent, hits = None, 0
+    for i in range(n_max):
+        h = hash((parent if chain else None, tuple(prompt[i * block_size: (i + 1) * block_size])))
+        if h not in cached:
+            break
+        hits += 1
+        parent = h
+    return hits * block_size if unit == "tokens" else hits
+
+
+def cached_tokens(prompts, cached, block_size):
+    """prompts: the lab's prompts; cached: the set of chained hashes in the cache. The check compares one count per
+    prompt."""
+
+    def each(**rule):
+        return lambda: torch.tensor([_cached_tokens(p, cached, block_size, **rule) for p in prompts])
+
+    return {
+        "each block's hash does not chain its parent's: block i's key is hash((block i-1's hash, its tokens)), so "
+        "equal keys mean equal prefixes, not only equal blocks": each(chain=False),
+        "a prompt whose every block is cached was served whole: its last token must be computed, because its "
+        "logits give the first new token; look at most (len(prompt) - 1) // block_size blocks up": each(
+            last_rule=False),
+        "blocks were counted, not positions: the cache serves whole blocks, block_size positions each": each(
+            unit="blocks"),
+    }

@@ -1,0 +1,154 @@
+"""kvlib.course.ch08: chapter 08's harnesses compute what the notebooks say they compute."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvlib.course import ch08
+from kvlib.generate import generate
+from kvlib.memory import spec
+from kvlib.model import ModelConfig, Transformer
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Transformer(ModelConfig(vocab_size=128, dim=32, n_layers=1, n_heads=2, hidden_dim=64)).eval()
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return ch08.make_trace(14, 0.5, seed=2, prompt_median=12, output_median=8)
+
+
+def alone(model, trace):
+    return [generate(model, [r["prompt"]], r["max_new"])[0].tolist() for r in trace]
+
+
+def test_the_trace_is_seeded_poisson_and_log_normal():
+    a, b = ch08.make_trace(40, 0.25, 0), ch08.make_trace(40, 0.25, 0)
+    assert a == b and a[0]["arrival"] == 0
+    assert all(x["arrival"] <= y["arrival"] for x, y in zip(a, a[1:]))
+    assert all(4 <= len(r["prompt"]) <= 320 and 2 <= r["max_new"] <= 160 for r in a)
+    off = ch08.make_trace(40, 0.25, 0, all_at_once=True)
+    assert {r["arrival"] for r in off} == {0}
+    assert [(r["prompt"], r["max_new"]) for r in off] == [(r["prompt"], r["max_new"]) for r in a]  # the same requests
+    assert ch08.trace_lines(a, 0.25)[0] == f"40 requests arriving over steps 0..{a[-1]['arrival']} (rate 0.25 per step)"
+
+
+@pytest.mark.parametrize("order", ch08.ORDERS)
+def test_static_batching_gives_generate_s_tokens_and_counts_its_steps(model, trace, order):
+    run = ch08.run_static(model, trace, order, batch_size=4, budget=16)
+    assert [run["outputs"][i] for i in range(len(trace))] == alone(model, trace)
+    grid = run["grid"]
+    assert grid.shape == (len(trace), len(run["step_s"]))
+    for i, r in enumerate(trace):  # every request decodes exactly max_new - 1 passes after its prefill steps
+        assert (grid[i] == ch08.DECODE).sum() == r["max_new"] - 1
+        rec = run["recs"][i]
+        assert rec["finish"] - rec["first"] == r["max_new"] - 1 and rec["first"] >= r["arrival"]
+    # a decode slot is wasted for each pass a finished row still runs: the IDLE cells
+    assert run["wasted"] == (grid == ch08.IDLE).sum()
+
+
+def test_the_engine_replay_and_its_summary(model, trace):
+    run = ch08.replay(model, trace, num_blocks=40, block_size=4, max_num_seqs=4, max_batched_tokens=16,
+                      prefix_caching=False)
+    assert [run["outputs"][i] for i in range(len(trace))] == alone(model, trace)
+    s = ch08.summarize(run)
+    e = run["engine"]
+    assert s["steps"] == len(e.events) and s["tokens_per_step"] == sum(r["max_new"] for r in trace) / len(e.events)
+    ttft = [e.metrics(run["ids"][i])["ttft_steps"] for i in range(len(trace))]
+    assert s["ttft_p99"] == np.percentile(ttft, 99)  # the summary's TTFT is the engine's own
+    static = ch08.summarize(ch08.run_static(model, trace, batch_size=4, budget=16))
+    assert s["steps"] < static["steps"]  # continuous batching: fewer steps on this trace
+
+
+def test_tables_count_what_the_engine_did(model, trace):
+    prompt_tokens = sum(len(r["prompt"]) for r in trace)
+    kw = dict(num_blocks=20, block_size=4, max_num_seqs=4, max_batched_tokens=16, prefix_caching=False)
+    runs = {m: ch08.replay(model, trace, **kw, preemption=m) for m in ("recompute", "swap")}
+    t = ch08.preemption_table(runs, prompt_tokens)
+    rc, sw = t.loc["recompute"], t.loc["swap"]
+    assert rc["preemptions"] > 0 and rc["recomputed"] > 0 and rc["blocks swapped out"] == 0
+    assert sw["recomputed"] == 0 and sw["blocks swapped out"] > 0
+    block_bytes = 2 * 1 * 4 * model.config.n_kv_heads * model.config.head_dim * 4  # K and V, 1 layer, fp32
+    assert sw["MiB copied (out + in)"] == round(2 * sw["blocks swapped out"] * block_bytes / 2**20, 2)
+    wm, _ = ch08.watermark_table(model, trace, kw, (0.0, 0.25))
+    assert list(wm["blocks kept free"]) == [0, 5]
+    budgets, _ = ch08.budget_table(model, trace, kw, (8, 16))
+    assert all(budgets["most tokens in a step"] <= budgets.index)
+
+
+def test_the_check_against_generate_alone_can_fail(model, trace):
+    run = ch08.replay(model, trace, num_blocks=40, block_size=4, max_num_seqs=4, max_batched_tokens=16)
+    checked, n_runs, bad = ch08.check_alone(model, [({"run": run}, trace)])
+    assert (checked, n_runs, bad) == (len(trace), 1, [])
+    run["outputs"][3] = run["outputs"][3][:-1] + [run["outputs"][3][-1] + 1]
+    assert ch08.check_alone(model, [({"run": run}, trace)])[2] == [("run", 3)]
+
+
+def test_the_rag_workload_and_its_ceiling():
+    rag, docs = ch08.rag_workload(n=30, n_docs=3, doc_len=192)
+    assert all(r["prompt"][:192] == docs[r["doc"]] for r in rag)
+    prompt = sum(len(r["prompt"]) for r in rag)
+    used = len({r["doc"] for r in rag})
+    assert ch08.hit_ceiling(rag, 192) == pytest.approx((30 - used) * 192 / prompt)  # all later documents, no question
+
+
+def test_a_failed_step_moves_nothing(model, trace):
+    step, error, unmoved, outputs = ch08.failing_step_demo(model, trace, dict(num_blocks=40, block_size=4,
+                                                                              max_num_seqs=4, max_batched_tokens=16),
+                                                           fail_at=5)
+    assert unmoved and "probability tensor" in error and outputs == alone(model, trace)
+
+
+@pytest.mark.parametrize("name", ch08.MODELS)
+def test_the_crossover_is_where_the_two_costs_meet(name):
+    m = spec(name)
+    for F, W, _ in ch08.GPUS.values():
+        a, b, h, c = costs = ch08.preempt_costs(m, F, W)
+        for r in (0.3, 1.0, 3.0, 10.0):
+            n = ch08.crossover_at(costs, r)
+            if n is None:  # swap is cheaper at every length
+                assert all(a * k + b * k * k + h > r * c * k for k in (1, 10, 100, 1000, 10_000, 100_000))
+            else:
+                assert math.isclose(a * n + b * n * n + h, r * c * n, rel_tol=1e-9)
+                assert a * (n / 2) + b * (n / 2) ** 2 + h < r * c * (n / 2)  # below it, recompute is cheaper
+    table = ch08.gpu_table()
+    assert set(table.index.get_level_values(0)) == set(ch08.MODELS)
+
+
+def test_the_lab_s_prefix_cases_exercise_every_rule():
+    from kvlib.course.mistakes import lab08
+
+    cache, prompts = ch08.prefix_cases()
+    ref = [ch08.reference_cached(cache, p) for p in prompts]
+    assert ref == [lab08._cached_tokens(p, set(cache.hash_to_block), 4) for p in prompts]  # the rule, as the engine
+    assert any(r > 0 for r in ref) and any(r == 0 for r in ref)
+    full = [p for p, r in zip(prompts, ref) if len(p) % 4 == 0 and r == len(p) - 4]
+    assert full  # prompts whose every block is cached: the last block is computed again
+
+
+def test_the_host_tier_evidence_has_a_smallest_best_size(model):
+    rag, _ = ch08.rag_lab_workload()
+    table = ch08.host_tier_runs(ch08.toy_model(), rag)
+    best = ch08.host_tier_answer(table)
+    least = table["prefill tokens computed"].min()
+    assert table.loc[0, "prefill tokens computed"] > least  # a tier saves prefill
+    assert best in table.index and best < max(table.index)  # a smaller tier than the largest does as well
+    assert all(table.loc[h, "prefill tokens computed"] > least for h in table.index if h < best)
+
+
+def test_operators_are_grouped_by_kind():
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w = torch.randn(64, 32), torch.randn(48, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+            torch.softmax(x, -1)
+    groups = ch08._op_groups(prof)
+    assert groups["matrix products (linear, mm, bmm)"] > 0 and groups["attention (sdpa, softmax)"] > 0
