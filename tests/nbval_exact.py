@@ -149,7 +149,7 @@ EXACT = {
         # cell 21 (c14): the server's error messages quote its limits and the value sent
         (r"temperature must be a number in \[0\.0, 2\.0\]", "the server's configured range, in its error text"),
         (r"top_p=0\.5 is not supported", "the value the cell sends, echoed by the error"),
-        # cells 26 (c18) and 42 (c32): the GuideLLM command line, built from the cell's constants
+        # cells 28 (c18) and 44 (c32): the GuideLLM command line, built from the cell's constants
         (r"127\.0\.0\.1", "the loopback address in the target URL"),
     ],
     "solutions/06_int8_kv_lab.ipynb": [

@@ -7,7 +7,8 @@ import json
 import random
 
 
-__all__ = ['sse_transcript', 'sse_reference', 'read_sse', 'collect_transcript', 'collect_reference', 'collect', 'stream_transcript', 'stream_reference', 'stream_events']
+__all__ = ['sse_transcript', 'sse_reference', 'read_sse', 'collect_transcript', 'collect_reference', 'collect',
+           'stream_transcript', 'stream_reference', 'stream_events', 'verdict_lines', 'verdict_rules']
 
 # --------------------------------------------------------------------------------------------
 # Lab 10 · HTTP serving: a stream's two ends
@@ -364,3 +365,62 @@ def stream_reference(scenarios, make_detok) -> list[str]:
     return stream_transcript(_stream_events, scenarios, make_detok)
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# Exercise 4, the decision: is a difference between two servers real?
+# --------------------------------------------------------------------------------------------
+# A case is (trials of server A, trials of server B, lower_is_better). The chapter's rule: a server is ahead only
+# if every one of its trials beats every trial of the other; otherwise no verdict. The usual wrong rules below each
+# give their own set of answers; the checker names the rule whose answers are the learner's.
+
+
+def verdict_lines(cases, answers) -> list[str]:
+    """One line per case: its name and the answer ("A", "B" or "no verdict")."""
+    return [f"{name}: {answers[name]}" for name in cases]
+
+
+def _better(x: float, y: float, lower: bool) -> str:
+    if x == y:
+        return "no verdict"
+    return "A" if (x < y) == lower else "B"
+
+
+def _rule(case, how: str) -> str:
+    a, b, lower = case
+    if how == "means":
+        return _better(sum(a) / len(a), sum(b) / len(b), lower)
+    if how == "first trial":
+        return _better(a[0], b[0], lower)
+    if how == "best trials":
+        best = min if lower else max
+        return _better(best(a), best(b), lower)
+    if how == "higher is better":
+        lower = False
+    elif how == "lower is better":
+        lower = True
+    sa, sb = ([-x for x in a], [-x for x in b]) if lower else (list(a), list(b))
+    if min(sa) > max(sb):
+        return "A"
+    if min(sb) > max(sa):
+        return "B"
+    return "no verdict"
+
+
+def verdict_rules(cases):
+    """The answers of the usual wrong rules over the cases, as check_lines' mistakes."""
+    def each(how):
+        return lambda: verdict_lines(cases, {name: _rule(c, how) for name, c in cases.items()})
+
+    return {
+        "you compared the means of the trials: a mean always picks a side, even when the trials of the two servers "
+        "interleave and another run could flip it": each("means"),
+        "you compared the first trial of each server only: one trial cannot tell a difference from the noise "
+        "between runs": each("first trial"),
+        "you compared each server's best trial: the best run of each says nothing about the runs in between, "
+        "which overlap": each("best trials"),
+        "you read every metric as higher-is-better: for a latency (TTFT, ITL), lower is better": each(
+            "higher is better"),
+        "you read every metric as lower-is-better: for a throughput (tokens/s), higher is better": each(
+            "lower is better"),
+    }
