@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 
 # The longest notebooks first: pytest-xdist (--dist loadscope) hands out whole notebooks in collection
 # order, so the one that takes longest must start at once or the run waits for it at the end.
-LONGEST_FIRST = ["notebooks/09_keeping_less.ipynb", "notebooks/11_beyond.ipynb", "notebooks/07_gqa.ipynb",
+LONGEST_FIRST = ["notebooks/11_beyond.ipynb", "notebooks/09b_keeping_fewer_bits.ipynb",
+                 "notebooks/09a_keeping_fewer_positions.ipynb", "notebooks/10_http_serving.ipynb", "notebooks/07_gqa.ipynb",
                  "notebooks/08b_prefix_cache.ipynb", "notebooks/08a_serving_many_requests.ipynb",
-                 "notebooks/10_http_serving.ipynb",
                  "notebooks/03_kv_cache.ipynb"]
 
 

@@ -6,7 +6,7 @@ JupyterLab it reads as a run that stalled, beside the finished results. The bars
 cell has finished, so they are removed; nbval leaves them out of its comparison too (conftest.py), and
 tests/test_truth.py fails on a committed notebook that still holds one.
 
-    python scripts/strip_progress.py notebooks/09_keeping_less.ipynb [more.ipynb ...]
+    python scripts/strip_progress.py notebooks/09a_keeping_fewer_positions.ipynb [more.ipynb ...]
     python scripts/strip_progress.py            # every notebook under notebooks/ and solutions/
 """
 

@@ -127,20 +127,19 @@ EXACT = {
         (r"(?m)^\s*(LLaMA|Llama|Mistral|Qwen|SmolLM)[\w.-]*\s+\d+\.\d\s*$", "model, kv_bytes_per_token (an integer) / 1024"),
         (r"weights (fp16|int8) \(\s*\d+\.\d GiB\)", "int(n_params x bytes) from the model card constant / 2**30"),
     ],
-    "notebooks/09_keeping_less.ipynb": [
-        # cells 5 (c4ea0d18) and 25 (b5153094) print kvlib's kernel source: these are its literals, not results
+    "notebooks/09a_keeping_fewer_positions.ipynb": [
+        # cell 7 (c09a-07) shows kvlib's index kernel source: these are its literals, not results
         (r"other=0\.0\)", "a literal in the printed kernel source"),
         (r"m_i = -1\.0e30", "a literal in the printed kernel source"),
         (r"l_i = 0\.0", "a literal in the printed kernel source"),
-        (r"float\(\"-inf\"\)", "a literal in the printed kernel source"),
-        # cell 34 (e67a083f): MLA configs from config.json, integer byte counts
-        (r"<td>(1\.4|11\.2)%</td>", "MLA / MHA: ratio of two integer byte counts"),
-        (r"(?m)^\d+\s+(1\.4|11\.2)%\s*$", "MLA / MHA column: ratio of two integer byte counts"),
-        (r"\(\d+\.\d% of MHA, counting", "MLA / MHA: ratio of two integer byte counts"),
-        (r"d_h = 128, gives \d+\.\d\d%\)", "MLA / MHA in the paper's convention: ratio of two integer byte counts"),
-        (r"\*\*\d\.\d\d\*\* groups of 128-dim heads, the paper's 2\.25",
-         "mla_gqa_groups: (kv_lora_rank + qk_rope_head_dim) / (2 x 128) of config integers; the paper's figure"),
-        (r"The paper's 93\.3% KV-cache reduction", "a figure quoted from the DeepSeek-V2 paper"),
+    ],
+    "solutions/09a_keeping_fewer_positions_lab.ipynb": [
+        # cells 12 (c23908dd) and 19 (a9c30005)
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
+    ],
+    "solutions/09b_keeping_fewer_bits_lab.ipynb": [
+        # cells 11 (l9b-11) and 26 (l9b-26): check()'s reports
+        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
     ],
     "notebooks/10_http_serving.ipynb": [
         # cell 4 (c03) prints kvlib.serve's engine loop: literals of the source, not results
@@ -162,10 +161,6 @@ EXACT = {
         (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
         # cell 18 (41efcfb0)
         (r"saving \(h-g\)/h = \d+\.\d%", "(h - g) / h of integers"),
-    ],
-    "solutions/09_keeping_less_lab.ipynb": [
-        # cell 12 (c23908dd)
-        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
     ],
     "solutions/11_beyond_lab.ipynb": [
         # cell 16 (0a39310c)

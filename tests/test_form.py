@@ -30,7 +30,8 @@ MAX_OUTPUT_WORDS = 30
 
 # The chapters in the form; the list grows until it holds every notebook.
 FORM_CHAPTERS = ["00_setup", "01_attention", "02_naive_decoding", "03_kv_cache", "04_kv_memory", "05_paged_kv", "06_int8_kv",
-                 "07_gqa", "08a_serving_many_requests", "08b_prefix_cache", "10_http_serving"]
+                 "07_gqa", "08a_serving_many_requests", "08b_prefix_cache",
+                 "09a_keeping_fewer_positions", "09b_keeping_fewer_bits", "10_http_serving"]
 # A chapter being moved into the form can be checked before it joins the list:
 #   KVLIB_FORM_EXTRA=05_paged_kv pytest tests/test_form.py
 FORM_CHAPTERS += [s for s in os.environ.get("KVLIB_FORM_EXTRA", "").split(",") if s and s not in FORM_CHAPTERS]

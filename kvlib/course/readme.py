@@ -82,10 +82,6 @@ ROWS = [
         "05_paged_kv.ipynb",
         r"saving from paging mean (?P<mean>\d+%), median \d+%, 10th–90th percentile (?P<lo>\d+%)–(?P<hi>\d+%); "
         r"(?P<inside>\d+%) of them inside", "mean saving {mean} ({lo}–{hi}); {inside} of batches in 30–50%"),
-    Row("tiny model, INT8 cache, 200 held-out bytes: greedy agreement, perplexity change, bytes vs fp16",
-        "06_int8_kv.ipynb",
-        r"greedy agreement:\s+(?P<agree>[\d.]+%).*?perplexity:\s+[\d.]+ -> [\d.]+ \((?P<ppl>[-+\d.]+%).*?"
-        r"KV bytes vs fp16:\s+(?P<bytes>[\d.]+)x", "{agree}, {ppl}, {bytes}×"),
     Row("SmolLM2, INT8 cache, the same 6,132 held-out tokens (every second 512-token window): perplexity "
         "change (95% bootstrap interval), teacher-forced greedy agreement", "06_int8_kv.ipynb",
         r"int8 cache \(per token and head\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
@@ -124,33 +120,38 @@ ROWS = [
         (r"serving only, tokens/s: kvlib (?P<ks>[\d.]+), generate_batch (?P<cbs>[\d.]+), padded generate (?P<sts>[\d.]+)",
          r"whole call, tokens/s: kvlib (?P<k>[\d.]+), generate_batch (?P<cb>[\d.]+), padded generate (?P<st>[\d.]+)"),
         "serving {ks} / {cbs} / {sts}; whole call {k} / {cb} / {st}"),
-    Row("SmolLM2, perplexity on code at a 5% budget: sliding window vs sinks + window, at the memory each "
-        "holds (time-averaged, % of fp16); full cache", "09_keeping_less.ipynb",
-        (r"the sliding window's perplexity is (?P<w>[\d.]+) and sinks \+ window's (?P<s>[\d.]+) \(full (?P<f>[\d.]+)\)",
-         r"sliding window\s+5%\s+(?P<mw>\d+%)", r"sinks \+ window\s+5%\s+(?P<ms>\d+%)"),
-        "{w} vs {s} at {mw} / {ms}; full {f}"),
-    Row("SmolLM2, passkey (5 depths) at the memory each holds: window / sinks + window / H2O at a 50% "
-        "budget; SnapKV at 10% and 50% budgets", "09_keeping_less.ipynb",
-        (r"\*\*Passkey at 50%\*\*: sliding window (?P<w>\d+%), sinks \+ window (?P<s>\d+%), H2O (?P<h>\d+%)",
-         r"sliding window\s+50%\s+(?P<mw>\d+%)", r"sinks \+ window\s+50%\s+(?P<ms>\d+%)", r"H2O\s+50%\s+(?P<mh>\d+%)",
-         r"SnapKV\s+10%\s+(?P<m10>\d+%)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(?P<p10>[\d.]+)",
-         r"SnapKV\s+50%\s+(?P<m50>\d+%)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(?P<p50>[\d.]+)"),
-        "{w} / {s} / {h} at {mw} / {ms} / {mh}; SnapKV {p10:.0%} at {m10}, {p50:.0%} at {m50}"),
-    Row("SmolLM2, memory held (time-averaged, % of fp16) and perplexity: INT8 / KIVI 2-bit, R = 32", "09_keeping_less.ipynb",
-        r"- INT8 \(chapter 06\): (?P<m8>[\d.]+%) of the fp16 cache \(time-averaged\), perplexity (?P<p8>[\d.]+).*?"
-        r"- KIVI 2-bit, R=32: (?P<m2>[\d.]+%) of the fp16 cache \(time-averaged\), perplexity (?P<p2>[\d.]+)",
-        "{m8}, {p8} / {m2}, {p2}"),
-    Row("SmolLM2, perplexity at equal bytes (% of fp16): INT8 on the most sensitive layers and INT2 "
-        "elsewhere vs uniform INT4", "09_keeping_less.ipynb",
-        r"Against uniform INT4 at equal bytes\*\* \((?P<m1>[\d.]+%) vs (?P<m2>[\d.]+%) of fp16\): the plan with INT8 on "
-        r"the most sensitive layers and INT2 elsewhere has perplexity (?P<p>[\d.]+), uniform INT4 (?P<u>[\d.]+): "
-        r"(?P<v>the mixed plan wins|uniform INT4 wins)", "{p} vs {u} at {m1} / {m2}: {v}"),
-    Row("tiny model, CLA-2 (half the cache) after a 100-step fine-tune vs MHA fine-tuned alike "
-        "(nats/byte)", "09_keeping_less.ipynb",
-        r"shared \+ fine-tune\s+(?P<s>[\d.]+)\s+control \(no sharing\) \+ fine-tune\s+(?P<c>[\d.]+)", "{s} vs {c}"),
-    Row("DeepSeek-V2 bytes per token (bf16): MLA vs MHA of the same heads", "09_keeping_less.ipynb",
-        r"DeepSeek-V2 caches \*\*(?P<m>[\d,]+)\*\* bytes per token with MLA, against (?P<h>[\d,]+) with MHA",
-        "{m} vs {h}"),
+    Row("SmolLM2, full cache: perplexity on code (textwrap.py, 512 tokens scored) and passkey, 24 prompts of 160 "
+        "tokens, each with its own filler (full retrieval, 95% Wilson interval)", "09a_keeping_fewer_positions.ipynb",
+        r"full cache: perplexity (?P<p>[\d.]+) \[[\d.]+, [\d.]+\], passkey (?P<k>\d+/\d+ = \d+% \[\d+, \d+\])",
+        "{p}; {k}"),
+    Row("SmolLM2, perplexity at 10% of the text: sliding window vs sinks + window, the same memory held "
+        "(time-averaged, share of fp16); full cache", "09a_keeping_fewer_positions.ipynb",
+        (r"10% of the text: window perplexity (?P<w>[\d.]+), sinks \+ window (?P<s>[\d.]+), full (?P<f>[\d.]+)",
+         r"sinks \+ window\s+0\.10\s+102\.0\s+(?P<m>[\d.]+)"),
+        "{w} vs {s} at {m:.0%}; full {f}"),
+    Row("SmolLM2, passkey at 50% of the prompt (every rule holds the same memory): SnapKV vs H2O, 24 prompts",
+        "09a_keeping_fewer_positions.ipynb",
+        r"SnapKV 50% (?P<s>\d+/\d+ = \d+% \[\d+, \d+\]) vs H2O 50% (?P<h>\d+/\d+ = \d+% \[\d+, \d+\]): (?P<v>not separated|\S+ \S+ higher)",
+        "{s} vs {h}: {v}"),
+    Row("SmolLM2, SnapKV as published (the prompt compressed once, every decoded token kept) vs re-evicting (ours) at "
+        "25% of the text: perplexity ratio [95% paired bootstrap], memory held (time-averaged, share of fp16)",
+        "09a_keeping_fewer_positions.ipynb",
+        r"25%: perplexity paper / ours (?P<r>[\d.]+) \[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]; memory (?P<mp>[\d.]+) vs (?P<mo>[\d.]+) of fp16",
+        "{r} [{lo}, {hi}] at {mp:.0%} vs {mo:.0%}"),
+    Row("SmolLM2, memory held (time-averaged, % of fp16), perplexity, passkey (24 prompts, 95% Wilson interval): "
+        "INT8 / KIVI 2-bit, R = 32", "09b_keeping_fewer_bits.ipynb",
+        (r"INT8 \(chapter 06\): held (?P<m8>[\d.]+%) of fp16 \(peak [\d.]+%\), perplexity (?P<p8>[\d.]+) \[[\d., ]+\]; "
+         r"passkey (?P<k8>\d+/\d+ = \d+% \[\d+, \d+\])",
+         r"KIVI 2-bit, R=32: held (?P<m2>[\d.]+%) of fp16 \(peak [\d.]+%\), perplexity (?P<p2>[\d.]+) \[[\d., ]+\]; "
+         r"passkey (?P<k2>\d+/\d+ = \d+% \[\d+, \d+\])"),
+        "{m8}, {p8}, {k8} / {m2}, {p2}, {k2}"),
+    Row("SmolLM2, 6 bits per number by layer (INT8 + INT4, equal bytes): INT8 on the most vs the least sensitive "
+        "layers, perplexity ratio (paired 95% interval)", "09b_keeping_fewer_bits.ipynb",
+        r"perplexity 6 bits: INT8 on the most sensitive / 6 bits: INT8 on the least sensitive: (?P<r>[\d.]+) "
+        r"\[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]: (?P<v>not separated|6 bits: INT8 on the (?:most|least) sensitive lower)",
+        "{r} [{lo}, {hi}]: {v}"),
+    Row("DeepSeek-V2 bytes per token (bf16): MLA vs MHA of the same heads", "09b_keeping_fewer_bits.ipynb",
+        r"DeepSeek-V2 caches (?P<m>[\d,]+) bytes per token with MLA, against (?P<h>[\d,]+) with MHA", "{m} vs {h}"),
     Row("SmolLM2 over HTTP, GuideLLM at the high rate, 3 trials each: requests that met the latency target "
         "(95% interval), load average: kvlib.serve vs `transformers serve`",
         "10_http_serving.ipynb",

@@ -1,4 +1,6 @@
-"""Known wrong answers to lab 09's exercises (keeping less): see kvlib.course.mistakes."""
+"""Known wrong answers to lab 09a's exercises (keeping fewer positions), and the diagnoses of the former lab 09's
+low-bit and MLA exercises that lab 09b imports (quantize_2bit, quantize_keys_2bit, absorbed_attention): see
+kvlib.course.mistakes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import torch
 
 from ._common import GQA_MODULO, NO_SQRT_D
 
-__all__ = ['sink_window_keep', 'h2o_update', 'snapkv_priority', 'quantize_2bit', 'quantize_keys_2bit', 'absorbed_attention']
+__all__ = ['sink_window_keep', 'h2o_update', 'snapkv_priority', 'needle_choice', 'quantize_2bit', 'quantize_keys_2bit',
+           'absorbed_attention']
 
 # --------------------------------------------------------------------------------------------
 # Lab 09 · keeping less
@@ -67,6 +70,27 @@ def h2o_update(scores, probs):
         "only the group's first query head was counted: sum over all n_rep heads that read the K/V head": lambda: (
             scores + grouped[:, 0].sum(1)),
     }
+
+
+WHY_NOT = {
+    "sinks + window": "a window that ends at the question holds only the last budget - 4 positions (and the 4 sinks): a "
+                      "needle further back than that is gone in every layer, whatever attention says",
+    "H2O": "H2O ranks positions by the attention they received while the prompt streamed, before the question existed; "
+           "the filler after the needle does not refer to it, so the needle competes with every other position and "
+           "half of H2O's budget is its recent window",
+    "SnapKV": "SnapKV lets the prompt's last tokens, the question among them, vote after the whole prompt was read; "
+              "here its vote went elsewhere: read the evidence table",
+}
+
+
+def needle_choice(yours: str, ref: str, evidence) -> list[str]:
+    """Lab 09a's decision (which rule holds the most of the needle once the question has been read): why the
+    chosen rule holds less than the reference, from the evidence (``kvlib.course.ch09.needle_evidence``)."""
+    if yours not in evidence.index:
+        return [f"{yours!r} is not one of the rules measured: {', '.join(map(repr, evidence.index))}"]
+    col = "needle held (mean %)"
+    mine, right = float(evidence.loc[yours, col]), float(evidence.loc[ref, col])
+    return [f"{yours} holds {mine:.0f}% of the needle on average, {ref} {right:.0f}%: {WHY_NOT.get(yours, '')}".rstrip(": ")]
 
 
 CONSTANT_GROUP = ("a constant group (max = min) got scale 0: (x - zero) / 0 is 0/0, NaN, before the cast; give it "
