@@ -152,3 +152,39 @@ def test_operators_are_grouped_by_kind():
             torch.softmax(x, -1)
     groups = ch08._op_groups(prof)
     assert groups["matrix products (linear, mm, bmm)"] > 0 and groups["attention (sdpa, softmax)"] > 0
+
+
+def test_alternating_trials_count_exact_steps_and_pair_their_ratio(model, trace):
+    kw = dict(num_blocks=40, block_size=4, max_num_seqs=4, max_batched_tokens=16, prefix_caching=False)
+    df = ch08.ab_trials(model, trace, kw, trials=2)
+    assert list(df["policy"]) == ["static", "continuous", "continuous", "static"]  # alternating order
+    static, cont = ch08.run_static(model, trace), ch08.replay(model, trace, **kw)
+    assert set(df[df.policy == "static"]["compute_steps"]) == {sum(1 for s in static["step_s"] if s > 0)}
+    assert set(df[df.policy == "continuous"]["compute_steps"]) == {sum(1 for e in cont["engine"].events if e["scheduled"])}
+    ab = ch08.ab_ranges(df)
+    wide = df.pivot(index="trial", columns="policy", values="tokens_per_s")
+    ratios = sorted(wide["continuous"] / wide["static"])
+    assert ab["ratio"] == pytest.approx((ratios[0], ratios[-1]))  # a ratio per back-to-back pair, not across pairs
+    assert ab["static"]["tps"][0] <= ab["static"]["tps"][1]
+
+
+def _fake_trials(values):
+    import pandas as pd
+
+    df = pd.DataFrame([dict(trial=t, engine=e, serve_tokens_per_s=v[t], tokens_per_s=v[t] - 1, ttft_median_s=1.0,
+                            identical="8/8" if e != "padded generate" or t else "7/8")
+                       for e, v in values.items() for t in range(3)])
+    df.attrs.update(threads=1, trials=3, requests=8, new_tokens=16)
+    return df
+
+
+def test_engines_are_ranked_only_where_their_ranges_do_not_overlap():
+    r = ch08.trial_ranges(_fake_trials({"kvlib": [20, 22, 21], "generate_batch": [23, 19, 30],
+                                        "padded generate": [10, 12, 11]}))
+    assert r.loc["kvlib", "serve median"] == 21 and (r.loc["kvlib", "serve min"], r.loc["kvlib", "serve max"]) == (20, 22)
+    assert ch08.separated(r, "serve") == "kvlib > padded generate, generate_batch > padded generate"  # 19-30 overlaps 20-22
+    assert list(r["identical"]) == ["all", "all", "no"]  # one differing run is enough to say no
+    r = ch08.trial_ranges(_fake_trials({"kvlib": [20, 22, 21], "generate_batch": [21, 19, 30], "padded generate": [18, 25, 21]}))
+    assert ch08.separated(r, "whole") == "none"
+    assert ch08.ranges_line(r, "whole") == ("whole call, min-max over 3 trials: kvlib 19.0-21.0, generate_batch "
+                                            "18.0-29.0, padded generate 17.0-24.0; separated: none")

@@ -8,19 +8,14 @@ from kvlib.course import mistakes
 from kvlib.course.check import CheckFailed, check
 from kvlib.memory import GiB, fit, spec
 
+from _checks import diagnoses  # tests/_checks.py
+
 CASE = (4, 2, 64, 4096, 3, 4)  # the fp32 KVCache the lab measures: layers, K/V heads, head dim, tokens, batch, bytes
 SLACK = 2 * 8 * 4096 + 2**20
 OPTIONS = {"A": ("Llama-3.1-8B", 80), "B": ("Llama-3.1-8B", 40), "C": ("Qwen2.5-7B", 40), "D": ("Llama-3-8B", 80),
            "E": ("Llama-3.1-8B", 16), "F": ("SmolLM2-135M", 141)}
 RUNS = [(spec(name), gib * GiB) for name, gib in OPTIONS.values()]
 BATCH, CONTEXT, RESERVE = 16, 16384, 4 * GiB
-
-
-def diagnoses(call) -> list[str]:
-    with pytest.raises(CheckFailed) as err:
-        call()
-    prefix = "Diagnosis: yours matches a known mistake: "
-    return [line[len(prefix):] for line in str(err.value).splitlines() if line.startswith(prefix)]
 
 
 def f64(x):

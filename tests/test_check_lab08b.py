@@ -8,12 +8,7 @@ from kvlib.course import ch08, mistakes
 from kvlib.course.check import CheckFailed, check
 from kvlib.course.mistakes import lab08
 
-
-def diagnoses(call) -> list[str]:
-    with pytest.raises(CheckFailed) as err:
-        call()
-    prefix = "Diagnosis: yours matches a known mistake: "
-    return [line[len(prefix):] for line in str(err.value).splitlines() if line.startswith(prefix)]
+from _checks import diagnoses  # tests/_checks.py
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ import pytest
 from kvlib.course import ch10, mistakes
 from kvlib.course.check import CheckFailed
 
+from _checks import diagnoses_in  # tests/_checks.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,11 +29,6 @@ def failure(call) -> str:
     return str(err.value)
 
 
-def diagnoses(report: str) -> list[str]:
-    prefix = "Diagnosis: yours matches a known mistake: "
-    return [line[len(prefix):] for line in report.splitlines() if line.startswith(prefix)]
-
-
 def test_the_chapter_rule_passes(capsys):
     cases = lab_cases()
     right = {k: ch10.verdict(c) for k, c in cases.items()}
@@ -46,7 +43,7 @@ def test_the_chapter_rule_passes(capsys):
 def test_each_wrong_rule_is_diagnosed(how, words):
     cases = lab_cases()
     wrong = {k: mistakes.lab10._rule(c, how) for k, c in cases.items()}
-    found = diagnoses(failure(lambda: ch10.check_verdicts(cases, wrong)))
+    found = diagnoses_in(failure(lambda: ch10.check_verdicts(cases, wrong)))
     assert len(found) == 1 and words in found[0], found
 
 
@@ -64,4 +61,4 @@ def test_a_malformed_answer_says_what_is_expected():
     assert "one of ('A', 'B', 'no verdict')" in failure(lambda: ch10.check_verdicts(cases, bad))
     some_wrong = {k: "B" for k in cases}  # not a known rule: a plain failure with the rule as the hint
     report = failure(lambda: ch10.check_verdicts(cases, some_wrong))
-    assert "every one of its trials beats every trial" in report and not diagnoses(report)
+    assert "every one of its trials beats every trial" in report and not diagnoses_in(report)

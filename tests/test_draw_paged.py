@@ -16,12 +16,6 @@ from kvlib.paged import PagedKVCache  # noqa: E402
 from kvlib.pool_sim import sample_requests, simulate  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
-
-
 def grow(cache, seq, n):
     """Append n positions to seq without a model (as the notebook's first cells do); returns their slots."""
     if seq not in cache.tables:

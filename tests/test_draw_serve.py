@@ -23,12 +23,6 @@ KW = dict(num_blocks=32, block_size=16, max_num_seqs=2, max_batched_tokens=64)
 GIDS = ("client", "handler", "message", "command", "running", "waiting", "swapped", "thread", "path")
 
 
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return load_tiny()

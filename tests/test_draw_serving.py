@@ -15,12 +15,6 @@ from kvlib.course.draw import serving as draw_serving  # noqa: E402
 from kvlib.model import ModelConfig, Transformer  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _close():
-    yield
-    plt.close("all")
-
-
 @pytest.fixture(scope="module")
 def model():
     with torch.random.fork_rng():

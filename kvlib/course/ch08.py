@@ -13,7 +13,7 @@ The notebooks keep what they teach (the engine's rules, what each run shows); wh
 - the deep dive: ``GPUS`` / ``preempt_costs`` / ``crossover_at`` / ``gpu_table`` / ``plot_n_star`` (the crossover
   of recompute and swap on a GPU, calculated from datasheet figures in the efficiency ratio r);
 - 08b: ``rag_workload`` / ``rag_table`` / ``all_cached_demo`` / ``tier_runs`` / ``tier_table``, ``failing_step_demo`` /
-  ``damaged_disk_demo`` (faults that move no request), ``serve_chats`` / ``live_demo`` (SmolLM2), ``side_by_side`` /
+  ``damaged_disk_demo`` (faults that move no request), ``serve_chats`` / ``live_demo`` (SmolLM2), ``side_by_side_trials`` /
   ``floor_line`` / ``profile_engines`` (beside transformers);
 - labs 08a and 08b: ``toy_model``, ``admission_trace``, ``preemption_trace``, ``chunk_case``, ``measured_costs`` and
   ``check_preemption_choice``; ``prefix_cases``, ``host_tier_runs`` and ``check_host_tier_choice``.
@@ -43,7 +43,7 @@ __all__ = ["BLOCK", "B", "BUDGET", "ORDERS", "WAIT", "PREFILL", "DECODE", "IDLE"
            "capped_demo", "check_alone", "GPUS", "MODELS", "RATIOS", "preempt_costs", "recompute_window",
            "crossover_at", "gpu_table", "plot_n_star", "rag_workload", "rag_table", "all_cached_demo", "tier_runs",
            "tier_table", "failing_step_demo", "damaged_disk_demo", "serve_chats", "live_demo",
-           "side_by_side", "floor_line", "profile_engines", "summary_a", "summary_b"]
+           "floor_line", "profile_engines", "summary_a", "summary_b"]
 
 BLOCK, B, BUDGET = 16, 8, 128  # block size (positions), most requests at once, most tokens per step
 ORDERS = ["arrival", "prompt length", "output length", "prompt + output length"]  # how static batches are picked
@@ -275,6 +275,43 @@ def wall_table(runs):
                         "mixed step ms": np.median(mix) if mix else np.nan})
         rows.append(row)
     return pd.DataFrame(rows).set_index("run")
+
+
+def _compute_steps(run) -> int:
+    """The steps of a run that computed anything (a step in which nothing runs costs nothing, in either policy)."""
+    if "engine" in run:
+        return sum(1 for ev in run["engine"].events if ev["scheduled"])
+    return int(sum(1 for s in run["step_s"] if s > 0))
+
+
+def ab_trials(model, trace, engine_kw, trials=3):
+    """Static batching (arrival order) and continuous batching on the same trace, ``trials`` times each, alternating
+    (static first in even trials, continuous first in odd ones) so that a change of load on the machine falls on both.
+    One clock: the wall clock (``time.perf_counter``) of the steps that compute, as in ``summarize``. Returns a
+    DataFrame, one row per run: trial, policy, tokens/s, seconds, steps that computed, ms per such step."""
+    import pandas as pd
+
+    rows = []
+    for t in range(trials):
+        for policy in ("static", "continuous") if t % 2 == 0 else ("continuous", "static"):
+            run = run_static(model, trace, "arrival") if policy == "static" else replay(model, trace, **engine_kw)
+            s, busy = summarize(run), _compute_steps(run)
+            rows.append(dict(trial=t, policy=policy, tokens_per_s=s["tokens_per_s"], wall_s=s["wall_s"],
+                             compute_steps=busy, ms_per_step=1e3 * s["wall_s"] / busy))
+    return pd.DataFrame(rows)
+
+
+def ab_ranges(df):
+    """Min and max over the trials of ``ab_trials``: tokens/s and ms per computing step per policy, and the
+    continuous / static tokens/s ratio of each trial (the two runs of one trial ran back to back)."""
+    wide = df.pivot(index="trial", columns="policy", values="tokens_per_s")
+    ratio = wide["continuous"] / wide["static"]
+    out = {p: dict(tps=(g["tokens_per_s"].min(), g["tokens_per_s"].max()),
+                   ms=(g["ms_per_step"].min(), g["ms_per_step"].max()), ms_median=g["ms_per_step"].median(),
+                   steps=int(g["compute_steps"].iloc[0]))
+           for p, g in df.groupby("policy")}
+    out["ratio"] = (ratio.min(), ratio.max())
+    return out
 
 
 def step_layout(view):
@@ -816,19 +853,85 @@ def live_demo(real, rtok, chats, block_size=BLOCK, cancel_at=4):
     return pieces, live, (streamed, stopped, cancelled)
 
 
-def side_by_side(real, prompts, new_tokens, threads, block_size=BLOCK, budget=256):
-    """kvlib's engine, transformers' ``generate_batch`` and padded ``generate`` on the same prompts (kvlib.bench.peers),
-    with the same block size and token budget. Returns (the DataFrame, transformers' twin of ``real``, None), or
-    (None, None, the reason) when transformers cannot run it."""
+ENGINES = ("kvlib", "generate_batch", "padded generate")  # the side by side's engines, in its tables' order
+
+
+def side_by_side_trials(real, prompts, new_tokens, threads, trials=3, block_size=BLOCK, budget=256):
+    """kvlib's engine, transformers' ``generate_batch`` and padded ``generate`` (kvlib.bench.peers) on the same
+    prompts, ``trials`` times each, interleaved: each trial runs the three once, the order rotated by one engine per
+    trial, after one untimed warm-up of each on two short requests (one-time costs stay out). Same block size and
+    token budget for the two paged engines. Returns (a DataFrame with one row per run: trial, engine, serve and
+    whole-call tokens/s, TTFT median, requests token-identical to kvlib's first run; transformers' twin of ``real``;
+    None), or (None, None, the reason) when transformers cannot run it."""
+    import pandas as pd
+
     from ..bench import peers
 
     try:
         hf = peers.hf_model_from_kvlib(real)
-        return peers.side_by_side(real, prompts, new_tokens, threads=threads, hf_model=hf,
-                                  engine_kw=dict(block_size=block_size, max_batched_tokens=budget),
-                                  hf_continuous_kw=dict(page_size=block_size, max_batch_tokens=budget)), hf, None
     except ImportError as err:
         return None, None, f"skipped: transformers is not usable here ({err})"
+    runs = {"kvlib": lambda ps, n: peers.run_kvlib_engine(real, ps, n, block_size=block_size, max_batched_tokens=budget),
+            "generate_batch": lambda ps, n: peers.run_hf_continuous(hf, ps, n, page_size=block_size,
+                                                                     max_batch_tokens=budget),
+            "padded generate": lambda ps, n: peers.run_hf_static(hf, ps, n)}
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
+    rows, ref = [], None
+    try:
+        for run in runs.values():
+            run([p[:8] for p in prompts[:2]], 2)
+        names = list(runs)
+        for t in range(trials):
+            for name in names[t % 3:] + names[: t % 3]:
+                outs, st = runs[name](prompts, new_tokens)
+                ref = outs if ref is None and name == "kvlib" else ref
+                rows.append(dict(trial=t, engine=name, serve_tokens_per_s=st["serve_tokens_per_s"],
+                                 tokens_per_s=st["tokens_per_s"], ttft_median_s=float(np.median(st["ttft_s"])),
+                                 outputs=outs))
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+    for r in rows:
+        r["identical"] = f"{sum(a == b for a, b in zip(ref, r.pop('outputs')))}/{len(prompts)}"
+    df = pd.DataFrame(rows)
+    df.attrs.update(threads=used, trials=trials, requests=len(prompts), new_tokens=new_tokens)
+    return df, hf, None
+
+
+def trial_ranges(df):
+    """Per engine, over the trials of ``side_by_side_trials``: the median, min and max of serving-only and
+    whole-call tokens/s, the median TTFT, and whether every run was token-identical to kvlib's."""
+    import pandas as pd
+
+    rows = []
+    for name in ENGINES:
+        g = df[df["engine"] == name]
+        row = {"engine": name, "trials": len(g)}
+        for col, label in (("serve_tokens_per_s", "serve"), ("tokens_per_s", "whole")):
+            row.update({f"{label} median": g[col].median(), f"{label} min": g[col].min(), f"{label} max": g[col].max()})
+        row.update({"ttft_median_s": g["ttft_median_s"].median(),
+                    "identical": "all" if all(v.split("/")[0] == v.split("/")[1] for v in g["identical"]) else "no"})
+        rows.append(row)
+    out = pd.DataFrame(rows).set_index("engine")
+    out.attrs.update(df.attrs)
+    return out
+
+
+def ranges_line(ranges, label) -> str:
+    """One line per measure (``label``: "serve" or "whole"): each engine's min-max over the trials, and the pairs of
+    engines whose ranges do not overlap ("none": these trials rank no pair)."""
+    name = {"serve": "serving only", "whole": "whole call"}[label]
+    span = ", ".join(f"{e} {ranges.loc[e, f'{label} min']:.1f}-{ranges.loc[e, f'{label} max']:.1f}" for e in ranges.index)
+    return f"{name}, min-max over {ranges['trials'].min()} trials: {span}; separated: {separated(ranges, label)}"
+
+
+def separated(ranges, label):
+    """The pairs of engines whose ranges of ``label`` ("serve" or "whole") do not overlap, as "a > b"; "none" when
+    every pair overlaps (no ranking: the trials do not separate them)."""
+    pairs = [f"{a} > {b}" for a in ranges.index for b in ranges.index
+             if a != b and ranges.loc[a, f"{label} min"] > ranges.loc[b, f"{label} max"]]
+    return ", ".join(pairs) or "none"
 
 
 def floor_line(real, prompts, new_tokens):
@@ -946,8 +1049,9 @@ def profile_engines(real, prompts, new_tokens, hf_model=None, block_size=BLOCK, 
 # --------------------------------------------------------------------------------------------
 
 
-def summary_a(st, co, best_order, best_steps, n_forwards, n_steps, pre, ratio_range, checked):
-    """08a's measurements and the conditions each holds under, as one table."""
+def summary_a(st, co, best_order, best_steps, n_forwards, n_steps, pre, ratio_range, checked, ab):
+    """08a's measurements and the conditions each holds under, as one table (``ab``: ``ab_ranges`` of the
+    alternating tokens/s runs)."""
     import pandas as pd
 
     rc, sw = pre["small pool, recompute"], pre["small pool, swap"]
@@ -955,8 +1059,12 @@ def summary_a(st, co, best_order, best_steps, n_forwards, n_steps, pre, ratio_ra
         ("engine steps for the trace: static (arrival order) / continuous", f"{st['steps']} / {co['steps']}",
          "40 requests, same KV memory, B = 8, 128 tokens per step; steps: the same on every machine"),
         ("TTFT p99 in steps: static / continuous", f"{st['ttft_p99']:.0f} / {co['ttft_p99']:.0f}", "the same"),
-        ("tokens/s on this machine: static / continuous", f"{st['tokens_per_s']:.0f} / {co['tokens_per_s']:.0f}",
-         "tiny model, compute time of the steps, one run"),
+        ("tokens/s on this machine, min-max: static / continuous",
+         f"{ab['static']['tps'][0]:.0f}-{ab['static']['tps'][1]:.0f} / "
+         f"{ab['continuous']['tps'][0]:.0f}-{ab['continuous']['tps'][1]:.0f}",
+         "tiny model, wall clock of the computing steps, 3 alternating runs each"),
+        ("tokens/s, continuous / static, min-max over run pairs", f"{ab['ratio'][0]:.2f}-{ab['ratio'][1]:.2f}",
+         "the same; the two runs of a pair back to back"),
         ("best static order, steps", f"{best_order}: {best_steps}", "the same trace, arriving over time"),
         ("forwards / steps that computed anything", f"{n_forwards} / {n_steps}", "one fused forward per step"),
         ("small pool: tokens recomputed (recompute) / MiB copied (swap)",
@@ -981,11 +1089,14 @@ def summary_b(on, off, ceiling, dev, host, disk, chat_rates, side, checked):
         ("SmolLM2 tokens/s: engine / one at a time", f"{chat_rates[0]:.1f} / {chat_rates[1]:.1f}", "5 chats, this machine"),
     ]
     if side is not None:
-        k, cb = side.iloc[0], side.iloc[1]
-        rows += [("serving-only tokens/s: kvlib / generate_batch", f"{k['serve_tokens_per_s']:.1f} / {cb['serve_tokens_per_s']:.1f}",
-                  "16 chats, 32 tokens, one thread"),
-                 ("whole-call tokens/s: kvlib / generate_batch", f"{k['tokens_per_s']:.1f} / {cb['tokens_per_s']:.1f}",
-                  "the same, setup and teardown included")]
+        k, cb = side.loc["kvlib"], side.loc["generate_batch"]
+        cell = lambda r, m: f"{r[m + ' median']:.1f} ({r[m + ' min']:.1f}-{r[m + ' max']:.1f})"  # noqa: E731
+        a = side.attrs
+        rows += [("serving-only tokens/s, median (min-max): kvlib / generate_batch", f"{cell(k, 'serve')} / {cell(cb, 'serve')}",
+                  f"{a['requests']} chats, {a['new_tokens']} tokens, {a['threads']} thread(s), {a['trials']} interleaved "
+                  f"trials; ranges that do not overlap: {separated(side, 'serve')}"),
+                 ("whole-call tokens/s, median (min-max): kvlib / generate_batch", f"{cell(k, 'whole')} / {cell(cb, 'whole')}",
+                  f"the same, setup and teardown included; ranges that do not overlap: {separated(side, 'whole')}")]
     rows.append(("outputs token-identical to generate alone", f"{checked}", "every run of this notebook"))
     return pd.DataFrame(rows, columns=["what", "measured", "under"]).set_index("what")
 

@@ -114,12 +114,17 @@ ROWS = [
         "prefilled, with vs without", "08b_prefix_cache.ipynb",
         r"With prefix caching the engine served (?P<hit>[\d.]+%) of the prompt tokens from the cache and prefilled "
         r"(?P<a>[\d,]+) tokens instead of (?P<b>[\d,]+)", "{hit}; {a} vs {b}"),
-    Row("SmolLM2, 16 chat requests × 32 tokens, token-identical, tokens/s: kvlib / transformers `generate_batch` / "
-        "padded `generate`, serving only (queued to done), then the whole call (setup included)",
+    Row("SmolLM2, 8 chat requests × 16 tokens, token-identical, 3 interleaved trials, tokens/s: kvlib / transformers "
+        "`generate_batch` / padded `generate`, serving only, then the whole call: median (min-max), pairs that separate",
         "08b_prefix_cache.ipynb",
         (r"serving only, tokens/s: kvlib (?P<ks>[\d.]+), generate_batch (?P<cbs>[\d.]+), padded generate (?P<sts>[\d.]+)",
-         r"whole call, tokens/s: kvlib (?P<k>[\d.]+), generate_batch (?P<cb>[\d.]+), padded generate (?P<st>[\d.]+)"),
-        "serving {ks} / {cbs} / {sts}; whole call {k} / {cb} / {st}"),
+         r"whole call, tokens/s: kvlib (?P<k>[\d.]+), generate_batch (?P<cb>[\d.]+), padded generate (?P<st>[\d.]+)",
+         r"serving only, min-max over \d+ trials: kvlib (?P<ksr>[\d.]+-[\d.]+), generate_batch (?P<cbsr>[\d.]+-[\d.]+), "
+         r"padded generate (?P<stsr>[\d.]+-[\d.]+); separated: (?P<seps>[^\n]+)",
+         r"whole call, min-max over \d+ trials: kvlib (?P<kr>[\d.]+-[\d.]+), generate_batch (?P<cbr>[\d.]+-[\d.]+), "
+         r"padded generate (?P<stwr>[\d.]+-[\d.]+); separated: (?P<sepw>[^\n]+)"),
+        "serving {ks} / {cbs} / {sts} ({ksr} / {cbsr} / {stsr}; separated: {seps}); "
+        "whole call {k} / {cb} / {st} ({kr} / {cbr} / {stwr}; separated: {sepw})"),
     Row("SmolLM2, full cache: perplexity on code (textwrap.py, 512 tokens scored) and passkey, 24 prompts of 160 "
         "tokens, each with its own filler (full retrieval, 95% Wilson interval)", "09a_keeping_fewer_positions.ipynb",
         r"full cache: perplexity (?P<p>[\d.]+) \[[\d.]+, [\d.]+\], passkey (?P<k>\d+/\d+ = \d+% \[\d+, \d+\])",
