@@ -296,3 +296,23 @@ def test_counts_from_a_table_column_are_accepted():
 
     assert ch09.rate(np.float64(17), 24.0) == "17/24 = 71% [51, 85]"
     assert ch09.verdict("A", (np.float64(24), 24), "B", (np.float64(5), 24)).endswith("A higher")
+
+
+def test_passkey_at_length_counts_what_the_sweep_counts_on_prompts_of_that_length(small):
+    got = ch09.passkey_at_length(small, TOK, ("H2O", "SnapKV"), length=P, frac=0.5, n=2)
+    table = ch09.sweep(small, ["H2O", "SnapKV"], [], [0.5], None, ch09.passkey_prompts(TOK, n=2, length=P))
+    assert list(got) == ["H2O", "SnapKV"]
+    assert got == {r.method: (int(r["passkey k"]), int(r["passkey n"])) for _, r in table.iterrows()}
+    assert all(n == 2 for _, n in got.values())
+
+
+def test_ratio_line_prints_the_paired_ratio_and_both_memories(small):
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(4))
+    table = ch09.sweep(small, ["sliding window", "H2O"], [0.25], [], ids, None)
+    a, b = table.iloc[0], table.iloc[1]
+    r, lo, hi = ch09.ppl_ratio_interval(a.nll, b.nll)
+    line = ch09.ratio_line("window 25%", a, "H2O 25%", b)
+    assert line == (f"window 25% / H2O 25% perplexity {r:.3f} [{lo:.3f}, {hi:.3f}] at memory {a.memory:.2f} vs "
+                    f"{b.memory:.2f}")
+    assert ch09.ratio_line("a", a, "a", a).startswith("a / a perplexity 1.000 [1.000, 1.000]")
+    assert "higher" not in line and "separated" not in line

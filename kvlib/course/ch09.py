@@ -742,3 +742,20 @@ def check_needle_choice(choice: str, evidence) -> bool:
         return True
     why = lab09.needle_choice(yours, ref, evidence)
     raise CheckFailed(report + "\nFAIL ✗\n" + "\n".join(f"  {line}" for line in why))
+
+
+def passkey_at_length(model, tok, rules=("SnapKV", "H2O", "sinks + window"), length: int = 320, frac: float = 0.5,
+                      n: int = N_PROMPTS) -> dict:
+    """The passkey of section 5 on ``n`` prompts of ``length`` tokens, each rule of ``rules`` at ``frac`` of the
+    prompt -> {rule: (k, n)}, the counts that ``rate`` and ``verdict`` read."""
+    prompts = passkey_prompts(tok, n=n, length=length)
+    df = sweep(model, list(rules), [], [frac], None, prompts)
+    return {r.method: (int(r["passkey k"]), int(r["passkey n"])) for _, r in df.iterrows()}
+
+
+def ratio_line(name_a: str, row_a, name_b: str, row_b) -> str:
+    """One line: the paired perplexity ratio of two sweep rows, its 95% block-bootstrap interval and both memories
+    (no verdict words: read whether the interval excludes 1)."""
+    r, lo, hi = ppl_ratio_interval(row_a.nll, row_b.nll)
+    return (f"{name_a} / {name_b} perplexity {r:.3f} [{lo:.3f}, {hi:.3f}] at memory {row_a.memory:.2f} vs "
+            f"{row_b.memory:.2f}")

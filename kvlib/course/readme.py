@@ -135,7 +135,7 @@ ROWS = [
          r"sinks \+ window\s+0\.10\s+102\.0\s+(?P<m>[\d.]+)"),
         "{w} vs {s} at {m:.0%}; full {f}"),
     Row("SmolLM2, passkey, 24 prompts of 160 tokens, at 50% of the prompt (the same memory held): SnapKV vs H2O as "
-        "built here (evicting while it prefills); longer prompts may differ",
+        "built here (evicting while it prefills); at 320 tokens the chapter finds otherwise",
         "09a_keeping_fewer_positions.ipynb",
         r"SnapKV 50% (?P<s>\d+/\d+ = \d+% \[\d+, \d+\]) vs H2O 50% (?P<h>\d+/\d+ = \d+% \[\d+, \d+\]): (?P<v>not separated|\S+ \S+ higher)",
         "{s} vs {h}: {v}"),
