@@ -563,19 +563,13 @@ def check_axis_choice(k_axis: str, v_axis: str, evidence) -> bool:
     scales, given ``axis_evidence``. Prints yours vs the reference (the axis with the lower error, from the
     evidence); a wrong choice fails with its diagnosis."""
     from . import mistakes
-    from .check import CheckFailed
+    from .check import check_choice
 
     yours = {"K": str(k_axis).strip().lower(), "V": str(v_axis).strip().lower()}
     ref = {t: min(AXES, key=lambda a: evidence.loc[t, f"{a} error"]) for t in ("K", "V")}
     print(evidence.round(4).to_string() + "\n")
-    ok = yours == ref
-    report = (f"axis for K and V: yours {yours['K']}, {yours['V']}  reference {ref['K']}, {ref['V']}  "
-              + ("✓" if ok else "✗"))
-    if ok:
-        print(report + "\nPASS ✓")
-        return True
-    why = mistakes.axis_choice(yours, ref, evidence)
-    raise CheckFailed(report + "\nFAIL ✗\n" + "\n".join(f"  {line}" for line in why))
+    return check_choice("axis for K and V", yours, ref, lambda: mistakes.axis_choice(yours, ref, evidence),
+                        shown=(f"{yours['K']}, {yours['V']}", f"{ref['K']}, {ref['V']}"))
 
 
 def gpu_reference(sweep: str = "int8") -> list[str]:

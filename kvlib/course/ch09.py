@@ -730,18 +730,14 @@ def check_needle_choice(choice: str, evidence) -> bool:
     """Lab 09a's decision: the rule (one of ``CHOICES``) that holds the most of the needle once the question has
     been read. Prints the evidence and yours vs the reference (the rule with the highest measured share); a wrong
     choice fails with its diagnosis (``kvlib.course.mistakes.lab09.needle_choice``)."""
-    from .check import CheckFailed
+    from .check import check_choice
     from .mistakes import lab09
 
     yours = str(choice).strip()
     ref = evidence["needle held (mean %)"].astype(float).idxmax()
     print(evidence.round(1).to_string() + "\n")
-    report = f"rule that holds the most of the needle: yours {yours}  reference {ref}  " + ("✓" if yours == ref else "✗")
-    if yours == ref:
-        print(report + "\nPASS ✓")
-        return True
-    why = lab09.needle_choice(yours, ref, evidence)
-    raise CheckFailed(report + "\nFAIL ✗\n" + "\n".join(f"  {line}" for line in why))
+    return check_choice("rule that holds the most of the needle", yours, ref,
+                        lambda: lab09.needle_choice(yours, ref, evidence))
 
 
 def passkey_at_length(model, tok, rules=("SnapKV", "H2O", "sinks + window"), length: int = 320, frac: float = 0.5,

@@ -560,16 +560,11 @@ def budget_reference(evidence, budget_pct: float) -> str | None:
 def check_budget_choice(choice: str, evidence, budget_pct: float) -> bool:
     """Lab 09b's decision: the cache to deploy within ``budget_pct`` % of an fp16 cache's memory, given
     ``budget_evidence``. Prints yours vs the reference; a wrong choice fails with its diagnosis."""
-    from .check import CheckFailed
+    from .check import check_choice
     from .mistakes import lab09b
 
     ref = budget_reference(evidence, budget_pct)
     yours = str(choice).strip()
     print(evidence.round(4).to_string() + f"\n\nbudget: {budget_pct:g}% of an fp16 cache of the same tokens\n")
-    ok = yours == ref
-    report = f"cache within the budget: yours {yours!r}  reference {ref!r}  " + ("✓" if ok else "✗")
-    if ok:
-        print(report + "\nPASS ✓")
-        return True
-    why = lab09b.budget_choice(yours, ref, evidence, budget_pct)
-    raise CheckFailed(report + "\nFAIL ✗\n" + "\n".join(f"  {line}" for line in why))
+    return check_choice("cache within the budget", yours, ref,
+                        lambda: lab09b.budget_choice(yours, ref, evidence, budget_pct), shown=(repr(yours), repr(ref)))

@@ -38,7 +38,7 @@ import copy
 
 import torch
 
-__all__ = ["check", "check_fn", "check_tokens", "check_rows", "check_lines", "CheckFailed"]
+__all__ = ["check", "check_fn", "check_tokens", "check_rows", "check_lines", "check_choice", "CheckFailed"]
 
 
 class CheckFailed(AssertionError):
@@ -202,6 +202,25 @@ def _line_difference(y, r, context, width) -> list[str]:
         n_diff = sum(a != b for a, b in zip(y, r)) + abs(len(y) - len(r))
         out.append(f"  {n_diff} of {max(len(y), len(r))} lines differ")
     return out
+
+
+def check_choice(what: str, yours, reference, why, shown: tuple[str, str] | None = None) -> bool:
+    """A decision exercise's check: prints ``what: yours Y  reference R  ✓/✗``, then PASS, or raises CheckFailed
+    with the diagnosis lines that ``why()`` returns (called only for a wrong choice). ``shown``: how to print
+    (yours, reference) when their plain ``str`` is not the way to read them.
+
+    >>> check_choice("block size", 16, 16, why=lambda: [])
+    block size: yours 16  reference 16  ✓
+    PASS ✓
+    True
+    """
+    ok = yours == reference
+    y, r = shown if shown is not None else (yours, reference)
+    report = f"{what}: yours {y}  reference {r}  {_mark(ok)}"
+    if ok:
+        print(report + "\nPASS ✓")
+        return True
+    raise CheckFailed(report + "\nFAIL ✗\n" + "\n".join(f"  {line}" for line in why()))
 
 
 # --------------------------------------------------------------------------------------------
