@@ -854,14 +854,20 @@ class Server:
             raise self._no_such_model(name)
 
     def _encode_text(self, text: str, param: str) -> list[int]:
-        """Token ids of ``text``; refused unencoded when even a lower bound on its tokens passes the context."""
+        """Token ids of ``text``; refused unencoded when even a lower bound on its tokens passes the context, and
+        refused part-encoded once a count of its slices passes twice the context (``limits.encode_bounded``)."""
         if self.token_bytes is not None:
             at_least = limits.min_tokens(text, self.token_bytes)
             if at_least > self.context:
                 raise APIError(f"this model's maximum context length is {self.context} tokens; this {param} has at "
                                f"least {at_least:,} ({len(text.encode('utf-8')):,} bytes, at most "
                                f"{self.token_bytes} per token)", param, code="context_length_exceeded")
-        return limits.encode(self.tokenizer, text)
+        ids, whole = limits.encode_bounded(self.tokenizer, text, self.context)
+        if not whole:  # given up early: the work stays bounded by the context, not by the body
+            raise APIError(f"this model's maximum context length is {self.context} tokens; this {param} has more "
+                           f"than {2 * self.context:,} ({len(text.encode('utf-8', 'surrogatepass')):,} bytes)", param,
+                           code="context_length_exceeded")
+        return ids
 
     def _prompt_ids(self, body) -> list[int]:
         p = body.get("prompt")

@@ -12,6 +12,8 @@ clients (chapter 10).
 - **Encoding off the event loop and off the GIL**: ``encode`` runs in a worker thread, and for the
   ``tokenizers``-backed SmolLM2 tokenizer it calls ``encode_batch``, which releases the GIL while the
   Rust code works (``encode`` keeps it: a 1 MB prompt held every other Python thread for half a second).
+  ``encode_bounded`` stops counting a long text's slices once they pass twice the context, so the work a
+  prompt can cost is bounded by the context, not by the body (two 600 kB prompts no longer hold the pool).
 - **Connections**: ``timed_protocol`` adds to uvicorn's HTTP protocol the two deadlines uvicorn lacks (the
   request's headers within ``read_timeout`` s of the connection or of the previous response, its body
   within ``read_timeout`` s of its headers); a connection that misses one is closed.
@@ -37,7 +39,7 @@ import threading
 from itertools import islice
 
 __all__ = ["APIError", "MAX_JSON_DEPTH", "INT64_MAX", "DEFAULT_MAX_BODY_BYTES", "parse_json_object",
-           "max_token_bytes", "min_tokens", "encode", "unknown_fields_note", "timed_protocol", "APIKeyGuard"]
+           "max_token_bytes", "min_tokens", "encode", "encode_bounded", "unknown_fields_note", "timed_protocol", "APIKeyGuard"]
 
 MAX_JSON_DEPTH = 32  # an OpenAI body nests 5 deep (messages[i].content[j].text); 32 leaves room, not 1,000
 INT64_MAX = 2 ** 63 - 1  # seed's bound, as vLLM's (torch.Generator.manual_seed takes 64 bits)
@@ -197,6 +199,41 @@ def encode(tokenizer, text: str) -> list[int]:
         ids = tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return ([tokenizer.bos_id] + ids) if tokenizer.add_bos and tokenizer.bos_id is not None else ids
     return tokenizer.encode(text)
+
+
+SLICE_CHARS = 32_768  # how much of a long text ``encode_bounded`` encodes at a time
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    """Where to end a slice ``text[start:end]``: before a single space between two non-space characters in its
+    last kilobyte (a word boundary, where byte-level BPE pre-tokenizers split anyway), else at ``end``."""
+    if end >= len(text):
+        return len(text)
+    j = text.rfind(" ", max(start + 1, end - 1024), end)
+    while j > start and (text[j - 1].isspace() or text[j + 1].isspace()):
+        j = text.rfind(" ", max(start + 1, end - 1024), j)
+    return j if j > start else end
+
+
+def encode_bounded(tokenizer, text: str, limit: int) -> tuple[list[int], bool]:
+    """The token ids of ``text`` with the work bounded by ``limit`` tokens, not by the text's length.
+
+    A text up to ``SLICE_CHARS`` characters is encoded whole. A longer one is first counted slice by slice (cut at
+    word boundaries) and given up as soon as the count passes ``2 * limit``: then ``(ids of the slices so far,
+    False)``, a text that is certainly over ``limit`` (the slices' count errs by a few tokens per cut, far less
+    than the factor 2). Otherwise it is encoded whole, exactly: ``(ids, True)``. So a 600 kB prompt for an
+    8,192-token model costs about 64 kB of encoding before it is refused, not 600 kB (which held a tokenizer
+    thread for seconds, and two of them every other request queued behind)."""
+    if len(text) <= SLICE_CHARS:
+        return encode(tokenizer, text), True
+    counted, start = [], 0
+    while start < len(text):
+        end = _cut(text, start, start + SLICE_CHARS)
+        counted += encode(tokenizer, text[start:end])
+        if len(counted) > 2 * limit:
+            return counted, False
+        start = end
+    return encode(tokenizer, text), True
 
 
 # --------------------------------------------------------------------------------------------

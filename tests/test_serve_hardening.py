@@ -424,6 +424,31 @@ def test_the_byte_bound_and_the_gil_free_encoding_match_the_tokenizer(smol):
         assert serve_limits.min_tokens(text, 81) <= len(ids)
 
 
+def test_a_long_prompt_costs_encoding_bounded_by_the_context_not_by_its_length(smol):
+    """Review P2-1 of chapter 10: a 600 kB prompt passes the byte bound (8,192 x 81 bytes) and was encoded whole
+    (seconds of a tokenizer thread) before it was refused; two of them held the pool and every short request
+    queued behind. Now the encoding stops once the count passes twice the context."""
+    s, _, tok = smol
+    seen = []
+
+    class Counting:  # the same tokenizer, recording how many characters each call encodes
+        def encode(self, text):
+            seen.append(len(text))
+            return tok.encode(text)
+
+    text = "kv " * 200_000
+    ids, whole = serve_limits.encode_bounded(Counting(), text, s.context)
+    assert not whole and len(ids) > 2 * s.context
+    assert sum(seen) <= 3 * serve_limits.SLICE_CHARS < len(text) // 6  # stopped early: a tenth of the text
+    for text in ("The cache keeps the keys.  " * 2_000, "x" * 40_000, "word\n\n  " * 5_000):  # past one slice
+        seen.clear()
+        assert serve_limits.encode_bounded(Counting(), text, s.context) == (tok.encode(text), True)  # whole: exact
+    r = httpx.post(s.url + "/completions", json=dict(model="smollm2", prompt=text * 10, max_tokens=4),
+                   timeout=TIMEOUT)
+    check_error(r, 400, "prompt", "context_length_exceeded")
+    assert "more than" in r.json()["error"]["message"]
+
+
 def test_chat_roles(smol):
     s, _, tok = smol
     c = client(s)
