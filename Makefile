@@ -33,7 +33,7 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	KVLIB_STRICT=1 KVLIB_CHECK_FIGURES=1 KVLIB_THREADS=$(THREADS) OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests notebooks solutions --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadscope $(PYTEST_ARGS)
+		--nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The benchmark sweeps (results.csv, summary.md, PNGs in bench-out/); BENCH_ARGS="--quick" on a CPU.
 bench: $(STAMP)

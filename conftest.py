@@ -16,12 +16,16 @@ if not torch.cuda.is_available():
     torch.set_num_threads(runtime.cpu_threads())
 
 
-# The longest notebooks first: pytest-xdist (--dist loadscope) hands out whole notebooks in collection
-# order, so the one that takes longest must start at once or the run waits for it at the end.
-LONGEST_FIRST = ["notebooks/11_beyond.ipynb", "notebooks/09b_keeping_fewer_bits.ipynb",
-                 "notebooks/09a_keeping_fewer_positions.ipynb", "notebooks/10_http_serving.ipynb", "notebooks/07_gqa.ipynb",
-                 "notebooks/08b_prefix_cache.ipynb", "notebooks/08a_serving_many_requests.ipynb",
-                 "notebooks/03_kv_cache.ipynb"]
+# The longest scopes first: pytest-xdist (--dist loadscope) hands out whole notebooks (and whole test modules) in
+# collection order, so the ones that take longest must start at once or the run waits for them at the end (06 and
+# the two 60-second test modules were collected after every test module, and one worker ran them alone at the end).
+# Rough CPU seconds in the last fresh-clone run, longest first; keep it current when a chapter grows.
+LONGEST_FIRST = ["notebooks/11_beyond.ipynb", "notebooks/09a_keeping_fewer_positions.ipynb",
+                 "notebooks/09b_keeping_fewer_bits.ipynb", "notebooks/06_int8_kv.ipynb", "notebooks/07_gqa.ipynb",
+                 "notebooks/10_http_serving.ipynb", "notebooks/08b_prefix_cache.ipynb",
+                 "notebooks/08a_serving_many_requests.ipynb", "notebooks/03_kv_cache.ipynb",
+                 "tests/test_labs.py", "tests/test_compile.py", "notebooks/02_deep_dive_page_faults.ipynb",
+                 "tests/test_serve_hardening.py", "tests/test_load.py", "solutions/09a_keeping_fewer_positions_lab.ipynb"]
 
 
 def pytest_collection_modifyitems(session, config, items):
