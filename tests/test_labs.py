@@ -503,26 +503,37 @@ def test_check_fn_gives_each_side_its_own_arguments():
 
 def test_each_lab_runs_until_its_first_exercise_stub(tmp_path):
     """A lab must work up to its first TODO: the first error a learner meets is the stub's
-    NotImplementedError, never an import error or a broken cell before it."""
+    NotImplementedError, never an import error or a broken cell before it.
+
+    One kernel runs every lab, its namespace emptied (``%reset -f``) and its figures closed before each, so a
+    lab that forgot an import still fails; what is shared is the modules already imported (a kernel start and
+    ``import torch, kvlib`` per lab were most of this test's 75 s)."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
     labs = sorted((REPO / "labs").glob("*.ipynb"))
     assert labs, "no labs to run"
-    for lab in labs:
-        nb = nbformat.read(lab, as_version=4)
-        client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-        with pytest.raises(CellExecutionError) as err:
-            client.execute()
-        assert err.value.ename == "NotImplementedError", f"{lab.name}: first error is {err.value.ename}"
-        # Where it stops (what the labs' intros tell the learner, issue 24): the first stub's cell only defines
-        # a function and runs; the first error comes from a later cell that calls it, a check.
-        failed = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-                  and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
-        first_stub = next(i for i, c in enumerate(nb.cells) if "raise NotImplementedError(" in c.source)
-        assert len(failed) == 1 and failed[0] > first_stub, (lab.name, failed, first_stub)
-        assert "raise NotImplementedError(" not in nb.cells[failed[0]].source, lab.name
-        assert nb.cells[first_stub].get("execution_count") is not None, f"{lab.name}: the stub's cell did not run"
+    client = NotebookClient(nbformat.v4.new_notebook(), timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}})
+    fresh = nbformat.v4.new_code_cell("%reset -f\nimport matplotlib.pyplot as _plt; _plt.close('all'); del _plt\n"
+                                      f"import os as _os; _os.chdir({str(tmp_path)!r}); del _os")
+    with client.setup_kernel():
+        for lab in labs:
+            nb = nbformat.read(lab, as_version=4)
+            client.nb = nb
+            client.execute_cell(fresh, 0)
+            with pytest.raises(CellExecutionError) as err:
+                for i, cell in enumerate(nb.cells):
+                    client.execute_cell(cell, i)
+            assert err.value.ename == "NotImplementedError", f"{lab.name}: first error is {err.value.ename}"
+            # Where it stops (what the labs' intros tell the learner, issue 24): the first stub's cell only defines
+            # a function and runs; the first error comes from a later cell that calls it, a check.
+            failed = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                      and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+            first_stub = next(i for i, c in enumerate(nb.cells) if "raise NotImplementedError(" in c.source)
+            assert len(failed) == 1 and failed[0] > first_stub, (lab.name, failed, first_stub)
+            assert "raise NotImplementedError(" not in nb.cells[failed[0]].source, lab.name
+            assert nb.cells[first_stub].get("execution_count") is not None, f"{lab.name}: the stub's cell did not run"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "labs").glob("*.ipynb")))
