@@ -37,6 +37,10 @@ EXACT = {
         (r"context [\d,]+, \d+\.\d M parameters",
          "an integer parameter count divided by 1e6"),
     ],
+    "notebooks/11a_speculative_decoding.ipynb": [
+        (r"qx = 1\.0 if q is None|index_fill_\(0, torch\.tensor\(\[x\]\), 1\.0\)",
+         "printed source code (speculative_accept)"),
+    ],
     "notebooks/11_beyond.ipynb": [
         (r"qx = 1\.0 if q is None|index_fill_\(0, torch\.tensor\(\[x\]\), 1\.0\)",
          "printed source code (speculative_accept)"),
