@@ -1,0 +1,262 @@
+"""Start a small process group on this machine, run one function in every rank, collect what each returns.
+
+    results = launch.run(fn, world_size, *args, backend=None, timeout_s=60.0)
+
+``fn`` is a module-level function (spawn starts fresh interpreters that import it by name) called as
+``fn(rank, world_size, *args)`` in each of ``world_size`` processes, after ``torch.distributed`` has
+joined them into one group: gloo on a CPU, NCCL when ``backend="nccl"`` or when every rank can have its
+own GPU and ``backend`` is None. Each process runs one torch thread. ``run`` returns fn's return values
+as a list indexed by rank.
+
+Bounded in time, and nothing left behind: on a rank's exception, on the timeout and on Ctrl-C every
+process is stopped (terminated, then killed). A rank's exception comes back as :class:`RankFailed`
+(naming the rank, carrying its traceback text); a timeout as ``TimeoutError`` naming the ranks still
+running.
+
+The rendezvous store (a ``torch.distributed.TCPStore``) is opened here in the parent on a port the
+operating system picks, so two launches never race for one port. ``KVLIB_DIST_PORT=N`` asks for a fixed
+port instead (a taken one is reported, not silently replaced).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import time
+import traceback
+
+__all__ = ["run", "RankFailed", "pick_backend", "rank_device", "MAX_WORLD_SIZE"]
+
+MAX_WORLD_SIZE = 8  # this launcher is for one machine: a handful of processes
+HOST = "127.0.0.1"  # every rank is on this machine: the loopback interface
+
+
+class RankFailed(RuntimeError):
+    """A rank raised (or died) inside ``launch.run``: ``.rank`` says which, ``.traceback_text`` what it printed."""
+
+    def __init__(self, rank: int, world_size: int, fn_name: str, traceback_text: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.traceback_text = traceback_text
+        super().__init__(f"rank {rank} of {world_size} failed in {fn_name}; every process was stopped. "
+                         f"The rank's traceback:\n{traceback_text}")
+
+
+def pick_backend(backend: str | None, world_size: int) -> str:
+    """gloo or nccl: NCCL when asked, or (backend None) when there is a GPU for every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl":
+        if gpus < world_size or not dist.is_nccl_available():
+            raise ValueError(f"backend='nccl' needs one CUDA GPU per rank and a torch built with NCCL: "
+                             f"world_size={world_size}, GPUs visible={gpus}, NCCL available={dist.is_nccl_available()}")
+        return "nccl"
+    if backend is None and gpus >= world_size and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def rank_device():
+    """Inside a rank: where its tensors must live for the group's collectives (its GPU under NCCL, else the CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_importable(fn) -> None:
+    """Raise ValueError unless a fresh interpreter can import ``fn`` by its module and qualified name."""
+    name = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if name is None or module is None:  # a partial or a callable object: pickling it is the test
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise ValueError(f"fn={fn!r} cannot be sent to a spawned process (pickling failed: {e}); "
+                             f"pass a function defined at the top level of a .py module") from None
+        return
+    if "<locals>" in name or "<lambda>" in name:
+        raise ValueError(f"fn={module}.{name} is a lambda or a function defined inside another function: spawn "
+                         f"cannot import it; define it at the top level of a .py module")
+    if module == "__main__":
+        import sys
+
+        main = sys.modules.get("__main__")
+        if getattr(main, "__file__", None) is None:
+            raise ValueError(f"fn={name} is defined in a notebook or an interactive session (module __main__): "
+                             f"spawn starts fresh interpreters that cannot import it. Put it in a .py module "
+                             f"(the chapter's are in kvlib/course/) and import it from there")
+        return  # a script: spawn re-imports it as __mp_main__ (its work must sit under `if __name__ == "__main__"`)
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        raise ValueError(f"fn={module}.{name} cannot be imported by name ({type(e).__name__}: {e}); "
+                         f"spawn needs a function at the top level of an importable module") from None
+    if obj is not fn:
+        raise ValueError(f"fn={module}.{name} is not the object that name imports (redefined or decorated?); "
+                         f"spawn would run the other one")
+
+
+def _check_args(fn, world_size, timeout_s) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}: {fn!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}: {world_size!r}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE} (processes on this machine), got {world_size}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    _check_importable(fn)
+
+
+def _open_store(world_size: int, timeout_s: float):
+    """The rendezvous store, held by the parent: on the port KVLIB_DIST_PORT names, else one the OS picks."""
+    import torch.distributed as dist
+
+    wanted = os.environ.get("KVLIB_DIST_PORT", "").strip()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if wanted:
+        try:
+            port = int(wanted)
+        except ValueError:
+            raise ValueError(f"KVLIB_DIST_PORT must be a port number, got {wanted!r}") from None
+        try:
+            return dist.TCPStore(HOST, port, world_size + 1, True, timeout=timeout, wait_for_workers=False)
+        except Exception as e:
+            raise RuntimeError(f"port {port} on {HOST} (from KVLIB_DIST_PORT) is taken or refused ({e}); "
+                               f"pick another port or unset KVLIB_DIST_PORT to let the OS choose a free one") from e
+    last = None
+    for _ in range(3):  # port 0: the OS picks a free port; retried in case a socket cannot be opened at once
+        try:
+            return dist.TCPStore(HOST, 0, world_size + 1, True, timeout=timeout, wait_for_workers=False)
+        except Exception as e:  # pragma: no cover - depends on the machine's sockets
+            last = e
+            time.sleep(0.2)
+    raise RuntimeError(f"could not open a local port on {HOST} for the process group's rendezvous: {last}")
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A daemon thread: leave at once if the parent process goes away (killed before it could stop us), instead of
+    waiting at a collective until the group's timeout."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="kvlib-parent-watch").start()
+
+
+def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
+    """One rank: join the group, run fn, send back ("ok", pickled result) or ("error", traceback text)."""
+    _exit_with_parent(parent)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (cannot happen in a fresh spawn, but harmless)
+        pass
+    import torch.distributed as dist
+
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(HOST, port, world_size + 1, False, timeout=timeout)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        out = fn(rank, world_size, *args)
+        try:
+            payload = pickle.dumps(out)
+        except Exception as e:
+            raise TypeError(f"fn's return value cannot be pickled back to the parent: {e}") from e
+        conn.send(("ok", payload))  # synchronous: in the pipe before this rank leaves the group
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        conn.close()
+        os._exit(1)  # leave at once: the parent stops the others
+    try:
+        dist.barrier()  # no rank tears the group down while another still uses it
+        dist.destroy_process_group()
+    finally:
+        conn.close()
+
+
+def _stop(procs, grace_s: float) -> None:
+    """Wait ``grace_s`` for every process to exit, then terminate, then kill what is left."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is not None:
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 60.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by torch.distributed;
+    return fn's return values by rank. See the module docstring for what is stopped and raised when."""
+    _check_args(fn, world_size, timeout_s)
+    backend = pick_backend(backend, world_size)
+    import torch.multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    fn_name = getattr(fn, "__qualname__", repr(fn))
+    ctx = mp.get_context("spawn")
+    store = _open_store(world_size, timeout_s)
+    procs, readers = [], {}
+    results: dict[int, object] = {}
+    ok = False
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, daemon=True, name=f"kvlib-rank{rank}",
+                            args=(rank, world_size, fn, args, backend, store.port, timeout_s, writer, os.getpid()))
+            p.start()
+            writer.close()  # the child holds its own copy
+            procs.append(p)
+            readers[reader] = rank
+        deadline = time.monotonic() + timeout_s
+        pending = dict(readers)  # reader -> rank, for the ranks that have not answered
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                running = sorted(pending.values())
+                raise TimeoutError(f"launch.run({fn_name}): rank(s) {running} of {world_size} still running after "
+                                   f"{timeout_s:g} s; every process was stopped")
+            for reader in wait(list(pending), timeout=left):
+                rank = pending.pop(reader)
+                try:
+                    status, payload = reader.recv()
+                except (EOFError, OSError):  # the process died without a word (killed, segfault, os._exit)
+                    procs[rank].join(1.0)
+                    raise RankFailed(rank, world_size, fn_name,
+                                     f"the process exited (exit code {procs[rank].exitcode}) without returning or "
+                                     f"raising: killed, out of memory, or a crash in native code") from None
+                if status == "error":
+                    raise RankFailed(rank, world_size, fn_name, payload)
+                results[rank] = pickle.loads(payload)
+        ok = True
+    finally:
+        _stop(procs, grace_s=10.0 if ok else 0.0)
+        for reader in readers:
+            reader.close()
+        del store
+    return [results[r] for r in range(world_size)]
