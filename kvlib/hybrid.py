@@ -126,8 +126,9 @@ def _check_window(plan, window) -> int | None:
 # --------------------------------------------------------------------------------------------
 
 
-def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(B, T, S) True where query i may attend key j: 0 <= q_pos[i] - k_pos[j] < window.
+def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, n_sink: int = 0) -> torch.Tensor:
+    """(B, T, S) True where query i may attend key j: 0 <= q_pos[i] - k_pos[j] < window, or key j is one of
+    the first ``n_sink`` positions (an attention sink, StreamingLLM's, kept by every query after it).
 
     q_pos (B, T), k_pos (B, S) true positions (-1 marks an empty key row); window None: causal only.
     The token itself counts in its window (module docstring).
@@ -138,22 +139,26 @@ def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> t
             [0, 1, 1, 0, 0],
             [0, 0, 1, 1, 0],
             [0, 0, 0, 1, 1]], dtype=torch.int32)
+    >>> band_mask(torch.arange(5)[None], torch.arange(5)[None], window=2, n_sink=1)[0, -1].int()  # + position 0
+    tensor([1, 0, 0, 1, 1], dtype=torch.int32)
     """
     if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"window must be a positive int (the token itself counts, so 1 sees only itself) or None "
                          f"for causal only, got {window!r}")
+    n_sink = check_int("n_sink", n_sink, minimum=0)
     d = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, S) how far back each key is
     visible = (k_pos[:, None, :] >= 0) & (d >= 0)
     if window is not None:
-        visible &= d < window
+        visible &= (d < window) | (k_pos[:, None, :] < n_sink)
     return visible
 
 
-def banded_attention_ref(q, k, v, q_pos, k_pos, window):
+def banded_attention_ref(q, k, v, q_pos, k_pos, window, n_sink: int = 0):
     """softmax(q k^T / sqrt(D) over the band) v in fp32: each query sees the keys of ``band_mask``.
 
     q (B, H, T, D); k, v (B, H_KV, S, D) in any order of positions; q_pos (B, T), k_pos (B, S) integer
     positions (-1: an empty row). Every query must see at least itself (its own position among k_pos).
+    ``n_sink``: the first n_sink positions stay visible to every later query (``band_mask``).
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
@@ -169,7 +174,7 @@ def banded_attention_ref(q, k, v, q_pos, k_pos, window):
         if not isinstance(pos, torch.Tensor) or pos.shape != (B, n) or pos.is_floating_point():
             raise ValueError(f"{name} must be a (B={B}, {n}) integer tensor of positions, got "
                              f"{getattr(pos, 'shape', type(pos).__name__)} {getattr(pos, 'dtype', '')}")
-    visible = band_mask(q_pos.to(q.device), k_pos.to(q.device), window)  # (B, T, S)
+    visible = band_mask(q_pos.to(q.device), k_pos.to(q.device), window, n_sink)  # (B, T, S)
     if not bool(visible.any(-1).all()):
         raise ValueError("every query must see at least one key (its own position must be among k_pos)")
     n_rep = H // k.shape[1]
@@ -200,6 +205,12 @@ class HybridCache(KVCache):
     way). With spare rows every window layer's call runs ``banded_attention_ref`` (the ring then holds
     more than the window).
 
+    ``n_sink``: a window layer also keeps the sequence's first ``n_sink`` positions, in rows of their own
+    before the ring (never overwritten), and every query attends to them besides its window: StreamingLLM's
+    attention sinks (Xiao et al. 2023, arXiv:2309.17453; chapter 09's SinkCache) inside a window layer. A
+    model trained with full attention parks attention on its first tokens; without them a window layer
+    applied after the fact loses that sink. Each window layer then holds min(n, n_sink + window) positions.
+
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=3, n_heads=2, hidden_dim=64)).eval()
     >>> cache = HybridCache.for_model(model, batch=1, max_len=12, pattern="2:1", window=4)
@@ -218,32 +229,36 @@ class HybridCache(KVCache):
     shared_attrs = ("plan",)
 
     def __init__(self, plan, batch, n_kv_heads, max_len, head_dim, window=None, dtype=torch.float32, device="cpu",
-                 kernels=None, spare=0):
+                 kernels=None, spare=0, n_sink=0):
         self.plan = _check_plan(plan, allowed=("full", "window"))  # a tuple: sequence(b) passes it on whole
         self.window = _check_window(self.plan, window)
         self.spare = check_int("spare", spare, minimum=0)
+        self.n_sink = check_int("n_sink", n_sink, minimum=0)
         batch, max_len = check_int("batch", batch), check_int("max_len", max_len)
         n_kv_heads, head_dim = check_int("n_kv_heads", n_kv_heads), check_int("head_dim", head_dim)
         # KVCache's attributes, with each layer's rows: max_len for a full layer, the ring for a window layer
         self.kernels = pick_kernels(kernels, device)
-        rows = [max_len if kind == "full" else min(self.window + self.spare, max_len) for kind in self.plan]
+        rows = [max_len if kind == "full" else min(self.n_sink + self.window + self.spare, max_len)
+                for kind in self.plan]
         self.k = [torch.zeros(batch, n_kv_heads, r, head_dim, dtype=dtype, device=device) for r in rows]
         self.v = [torch.zeros(batch, n_kv_heads, r, head_dim, dtype=dtype, device=device) for r in rows]
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)  # (B,) positions seen
         self.max_len = max_len
-        # per layer (B, rows): the position each ring row holds, -1 if none (a full layer: (B, 0), unused)
+        # per layer (B, rows): the position each ring row holds, -1 if none (a full layer: (B, 0), unused);
+        # with n_sink, rows 0 .. n_sink - 1 hold positions 0 .. n_sink - 1 and the ring is the rows after them
         self.pos = [torch.full((batch, r if kind == "window" else 0), -1, dtype=torch.int64, device=device)
                     for kind, r in zip(self.plan, rows)]
 
     @classmethod
-    def for_model(cls, model, batch, max_len, kernels=None, *, pattern="5:1", window=1024, plan=None, spare=0):
+    def for_model(cls, model, batch, max_len, kernels=None, *, pattern="5:1", window=1024, plan=None, spare=0,
+                  n_sink=0):
         """A cache for ``model``: ``plan`` (a list of kinds), or ``layer_plan(n_layers, pattern)``."""
         c = model.config
         plan = layer_plan(c.n_layers, pattern) if plan is None else plan
         if len(plan) != c.n_layers:
             raise ValueError(f"plan must give one kind per layer ({c.n_layers}), got {len(plan)}")
         return cls(plan, batch, c.n_kv_heads, max_len, c.head_dim, window, model.dtype, model.device, kernels,
-                   spare)
+                   spare, n_sink)
 
     def held(self, b: int, layer: int | None = None) -> int:
         """Positions stored for sequence b: in ``layer`` (a window layer holds at most its ring), or, with
@@ -289,6 +304,9 @@ class HybridCache(KVCache):
         triton_kernels = self.kernels == "triton"
         pos = self.pos[layer_idx]  # (B, rows)
         new_pos = n[:, None] + torch.arange(T, device=n.device)  # (B, T)
+        s = self.n_sink
+        if s:  # position p < s in sink row p, a later one in ring row s + (p - s) mod (rows - s)
+            return self._attend_with_sinks(layer_idx, q, k, v, n, new_pos)
         if T == 1 and rows <= self.window:  # the new row replaces the one leaving the window: the ring is the window
             (store_kv if triton_kernels else store_kv_ref)(kb, vb, k, v, n % rows)
             pos.scatter_(1, new_pos % rows, new_pos)
@@ -303,6 +321,35 @@ class HybridCache(KVCache):
             kb.scatter_(2, rows_idx, k[:, :, T - m:])
             vb.scatter_(2, rows_idx, v[:, :, T - m:])
             pos.scatter_(1, slots, new_pos[:, T - m:])
+        self._advance(layer_idx, T)
+        return out
+
+    def _slots(self, p: torch.Tensor, rows: int) -> torch.Tensor:
+        """The row of position(s) p in a window layer of ``rows`` rows with ``n_sink`` sink rows first."""
+        s = self.n_sink
+        return torch.where(p < s, p, s + (p - s).clamp(min=0) % max(1, rows - s))
+
+    def _attend_with_sinks(self, layer_idx, q, k, v, n, new_pos):
+        """A window layer's call with sink rows: decode straight over every row when the ring is exactly the
+        window (sinks + window are then all the query sees); otherwise the band (sinks included) over the rows
+        and the call's own keys, then keep the sinks among the new rows and the last rows - n_sink of the rest."""
+        kb, vb, pos = self.k[layer_idx], self.v[layer_idx], self.pos[layer_idx]
+        B, T, rows = q.shape[0], q.shape[2], kb.shape[2]
+        triton_kernels = self.kernels == "triton"
+        if T == 1 and rows - self.n_sink <= self.window:  # rows fill in order: 0 .. min(n + 1, rows) - 1 are held
+            (store_kv if triton_kernels else store_kv_ref)(kb, vb, k, v, self._slots(n, rows))
+            pos.scatter_(1, self._slots(new_pos, rows), new_pos)
+            decode = decode_attention if triton_kernels else decode_attention_ref
+            out = decode(q[:, :, 0], kb, vb, (n + 1).clamp(max=rows))[:, :, None]  # (B, H, 1, D)
+        else:
+            out = banded_attention_ref(q, torch.cat([kb, k], dim=2), torch.cat([vb, v], dim=2), new_pos,
+                                       torch.cat([pos, new_pos], dim=1), self.window, self.n_sink)
+            keep = (new_pos < self.n_sink) | (new_pos >= (n + T)[:, None] - (rows - self.n_sink))  # (B, T)
+            slots = self._slots(new_pos, rows)
+            for b in range(B):  # distinct rows per sequence: the kept positions never share one
+                kb[b][:, slots[b][keep[b]]] = k[b][:, keep[b]]
+                vb[b][:, slots[b][keep[b]]] = v[b][:, keep[b]]
+                pos[b][slots[b][keep[b]]] = new_pos[b][keep[b]]
         self._advance(layer_idx, T)
         return out
 
@@ -328,6 +375,7 @@ class HybridCache(KVCache):
         b, m = self._check_truncate(b, length)
         n = int(self.seq_lens[b])
         needed = torch.arange(max(0, m - (self.window or 0) + 1), m)  # what the next token attends to
+        needed = torch.cat([torch.arange(min(self.n_sink, m)), needed]).unique()  # and the sinks
         for layer, kind in enumerate(self.plan):
             if kind == "window":
                 missing = needed[~torch.isin(needed, self.pos[layer][b].cpu())]
@@ -347,9 +395,9 @@ class HybridCache(KVCache):
 
 
 def hybrid_bytes(n_tokens: int, plan, window: int | None, n_kv_heads: int, head_dim: int,
-                 bytes_per_element: int = 2) -> int:
-    """K/V bytes one sequence of ``n_tokens`` holds: sum over layers of min(n, W) (window) or n (full)
-    positions x 2 (K and V) x n_kv_heads x head_dim x bytes_per_element.
+                 bytes_per_element: int = 2, n_sink: int = 0) -> int:
+    """K/V bytes one sequence of ``n_tokens`` holds: sum over layers of min(n, W + n_sink) (window, with its
+    sinks) or n (full) positions x 2 (K and V) x n_kv_heads x head_dim x bytes_per_element.
 
     SmolLM2-135M (30 layers, 3 K/V heads of 64, fp16), all full against Gemma 3's 5:1 with W = 1024:
 
@@ -364,7 +412,8 @@ def hybrid_bytes(n_tokens: int, plan, window: int | None, n_kv_heads: int, head_
     window = _check_window(plan, window)
     per_position = 2 * check_int("n_kv_heads", n_kv_heads) * check_int("head_dim", head_dim) \
         * check_int("bytes_per_element", bytes_per_element)
-    return sum(min(n, window) if kind == "window" else n for kind in plan) * per_position
+    n_sink = check_int("n_sink", n_sink, minimum=0)
+    return sum(min(n, window + n_sink) if kind == "window" else n for kind in plan) * per_position
 
 
 # --------------------------------------------------------------------------------------------

@@ -232,6 +232,12 @@ else
   record tests "$rc"
   tail -n 25 "$OUT/tests.log"
 fi
+# 2b. Chapter 12a's tp/cp token identity over NCCL (scripts/dist_check.py prints SKIP and exits 0 below 2 GPUs).
+rest=$(left $(( BUDGET_S - MERGE_RESERVE_S )))
+if [ "$rest" -ge "$MIN_START_S" ]; then
+  step dist "$OUT/dist.log" "$(min 300 "$rest")" "$PY" scripts/dist_check.py
+  record dist "$?"
+fi
 
 # 3. The full (or --quick) sweeps, each in its own process, sharing the rest of the budget by points.
 if [ "$MODE" = smoke ]; then

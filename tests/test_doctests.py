@@ -8,7 +8,7 @@ import pytest
 MODULES = ["kvlib._triton", "kvlib.attention", "kvlib.vector_add", "kvlib.cache", "kvlib.paged", "kvlib.quant",
            "kvlib.gqa", "kvlib.ragged", "kvlib.generate", "kvlib.model", "kvlib.engine", "kvlib.evict", "kvlib.lowbit",
            "kvlib.kivi", "kvlib.footprint", "kvlib.compress", "kvlib.serve", "kvlib.sparse", "kvlib.hybrid",
-           "kvlib.speculate"]
+           "kvlib.speculate", "kvlib.dist.tp", "kvlib.dist.cp", "kvlib.dist.router"]
 
 # Every public name of these modules that must carry an example (kvlib.model: the loader and the forward pass).
 MUST_HAVE_EXAMPLES = {
