@@ -41,19 +41,6 @@ EXACT = {
         (r"qx = 1\.0 if q is None|index_fill_\(0, torch\.tensor\(\[x\]\), 1\.0\)",
          "printed source code (speculative_accept)"),
     ],
-    "notebooks/11_beyond.ipynb": [
-        (r"qx = 1\.0 if q is None|index_fill_\(0, torch\.tensor\(\[x\]\), 1\.0\)",
-         "printed source code (speculative_accept)"),
-        (r"other=0\.0\)\.to\(tl\.float32\)|m_i = -1\.0e30|l_i = 0\.0",
-         "printed source code (the sparse decode kernel)"),
-        (r"within 1e-05 \(fp32\) / 0\.002 \(fp16\)",
-         "the check's tolerances, constants given by the cell (the errors themselves are asserted, not printed)"),
-        (r"<td>\d+\.\d\d%</td>|^\s*\d\s+\d+\.\d\d%",
-         "pool waste: a ratio of two integer block counts (pool_blocks), Python arithmetic"),
-        (r"<td>[\d,]+\.\d+</td>|^\s*\d\s+[\d,]+\s+[\d,]+\.\d+\s+\d+\.\d+\s|"
-         r"[\d.]+ GiB of K/V \(the paper's Table 1 gives 4GB\) \+ \d+\.\d+ MiB",
-         "integer byte counts from Jamba's published configuration divided by 2**20 or 2**30 (exact binary fractions)"),
-    ],
     "solutions/00_setup_lab.ipynb": [
         (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)",
          "check()'s tolerances, constants given by the cell (the difference itself is replaced by nbval_sanitize.cfg)"),
@@ -165,9 +152,5 @@ EXACT = {
         (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
         # cell 18 (41efcfb0)
         (r"saving \(h-g\)/h = \d+\.\d%", "(h - g) / h of integers"),
-    ],
-    "solutions/11_beyond_lab.ipynb": [
-        # cell 16 (0a39310c)
-        (r"\(atol=[\d.e+-]+, rtol=[\d.e+-]+\)", "the tolerances passed to check(): constants"),
     ],
 }

@@ -28,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_CELL_LINES = 25
 MAX_OUTPUT_WORDS = 30
 
-# The chapters in the form; the list grows until it holds every notebook.
+# The chapters in the form: all of them.
 FORM_CHAPTERS = ["00_setup", "01_attention", "02_naive_decoding", "03_kv_cache", "04_kv_memory", "05_paged_kv", "06_int8_kv",
                  "07_gqa", "08a_serving_many_requests", "08b_prefix_cache",
-                 "09a_keeping_fewer_positions", "09b_keeping_fewer_bits", "10_http_serving"]
+                 "09a_keeping_fewer_positions", "09b_keeping_fewer_bits", "10_http_serving", "11a_speculative_decoding",
+                 "11b_sparse_reads_and_hybrid_layers", "12a_sharding_the_cache", "12b_moving_the_cache"]
 # A chapter being moved into the form can be checked before it joins the list:
 #   KVLIB_FORM_EXTRA=05_paged_kv pytest tests/test_form.py
 FORM_CHAPTERS += [s for s in os.environ.get("KVLIB_FORM_EXTRA", "").split(",") if s and s not in FORM_CHAPTERS]

@@ -166,21 +166,29 @@ ROWS = [
          r"transformers serve at [\d.]+ req/s: (?P<t>\d+ / \d+) requests met the target \(95% interval "
          r"(?P<tl>\d+)-(?P<th>\d+%)\), load average (?P<tload>[\d.]+-[\d.]+)"),
         "at {r} req/s: {k} ({kl}–{kh}), load {kload} vs {t} ({tl}–{th}), load {tload}"),
-    Row("SmolLM2, speculative decoding by prompt lookup (token-identical): best speed-up in CPU time on "
-        "code / chat (k, drafts accepted)",
-        "11_beyond.ipynb",
-        r"prompt lookup's best was (?P<c>[\d.]+)x on code \(k = (?P<ck>\d+), (?P<ca>\d+%) of drafts accepted\) and "
-        r"(?P<h>[\d.]+)x on chat \(k = (?P<hk>\d+), (?P<ha>\d+%)\)", "{c}× (k = {ck}, {ca}) / {h}× (k = {hk}, {ha})"),
-    Row("SmolLM2, Quest with 64 tokens: bytes read per step (perplexity / passkey) and kept; perplexity "
-        "(full cache); passkey, question before / after caching, vs SnapKV at equal bytes read", "11_beyond.ipynb",
-        r"Quest with 64 tokens read (?P<r1>\d+%) / (?P<r2>\d+%) of the full cache per step \(perplexity / passkey\) "
-        r"and kept (?P<k>\d+%): perplexity (?P<p>[\d.]+) \(full (?P<f>[\d.]+)\), passkey (?P<a>\d+%) with the question in "
-        r"the prompt and (?P<b>\d+%) with the question after the text was cached \(SnapKV at the same bytes read: "
-        r"(?P<sa>\d+%) and (?P<sb>\d+%)\)", "{r1} / {r2} read, {k} kept; perplexity {p} ({f}); {a} / {b} vs {sa} / {sb}"),
-    Row("SmolLM2, a 5:1 window/full layer plan after training (W = 512): K/V kept at 1,023 tokens, "
-        "perplexity, passkey", "11_beyond.ipynb",
-        r"a 5:1 window plan with W = 512 kept (?P<k>\d+%) of SmolLM2's cache at \d+ tokens, at perplexity (?P<p>[\d.]+) "
-        r"and passkey (?P<a>\d+%)", "{k}, {p}, {a}"),
+    Row("SmolLM2, speculative decoding by prompt lookup (token-identical), k = 8, ms per token in CPU time over "
+        "interleaved runs (range): code; the drafts accepted (α, 95% Wilson)", "11a_speculative_decoding.ipynb",
+        (r"code, k = 8: (?P<s>[\d.]+–[\d.]+) vs plain (?P<p>[\d.]+–[\d.]+) ms/token: (?P<v>[a-z ]+)",
+         r"code, k = 8: \d+ steps, alpha (?P<a>[\d.]+) (?P<ai>\[[\d.]+, [\d.]+\])"),
+        "{s} vs plain {p} ({v}); α {a} {ai}"),
+    Row("SmolLM2, passkey on 20 prompts of 256 tokens: Quest (64 tokens) vs the strongest eviction at equal bytes "
+        "read, question in the prompt / after caching (95% Wilson)", "11b_sparse_reads_and_hybrid_layers.ipynb",
+        (r"Quest, question in the prompt (?P<q>\d+/\d+ = \d+% \[\d+, \d+\]) vs SnapKV (?P<s>\d+/\d+ = \d+% \[\d+, \d+\]): "
+         r"(?P<v1>[^\n]+)",
+         r"Quest, question after caching (?P<ql>\d+/\d+ = \d+% \[\d+, \d+\]) vs (?P<e>[a-zA-Z +]+?) "
+         r"(?P<el>\d+/\d+ = \d+% \[\d+, \d+\]): (?P<v2>[^\n]+)"),
+        "{q} vs SnapKV {s} ({v1}); {ql} vs {e} {el} ({v2})"),
+    Row("SmolLM2, a 5:1 window/full plan after training (W = 128): perplexity without / with 4 attention sinks "
+        "(full cache)", "11b_sparse_reads_and_hybrid_layers.ipynb",
+        r"5:1, W = 128: perplexity (?P<a>[\d.]+) without sinks, (?P<b>[\d.]+) with 4 sinks, full cache (?P<f>[\d.]+)",
+        "{a} / {b} ({f})"),
+    Row("SmolLM2, 16 greedy tokens on 3 gloo processes: tensor parallelism (tp = 3) / decode context parallelism "
+        "(cp = 3) token-identical to one process", "12a_sharding_the_cache.ipynb",
+        (r"tp = 3 token-identical on every rank: (?P<tp>True|False)",
+         r"cp = 3 token-identical on every rank: (?P<cp>True|False)"), "{tp} / {cp}"),
+    Row("tiny model, 2 engine replicas on a RAG-like trace: prefix hit rate, round-robin / prefix router",
+        "12b_moving_the_cache.ipynb",
+        r"prefix hit rate: round-robin (?P<rr>[\d.]+%), prefix router (?P<p>[\d.]+%)", "{rr} / {p}"),
 ]
 
 
