@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 # Rough CPU seconds in the last fresh-clone run, longest first; keep it current when a chapter grows.
 LONGEST_FIRST = ["notebooks/09a_keeping_fewer_positions.ipynb", "notebooks/09b_keeping_fewer_bits.ipynb",
                  "notebooks/06_int8_kv.ipynb", "notebooks/07_gqa.ipynb", "notebooks/10_http_serving.ipynb",
+                 "solutions/13_capstone_lab.ipynb",
                  "notebooks/11b_sparse_reads_and_hybrid_layers.ipynb", "notebooks/11a_speculative_decoding.ipynb",
                  "notebooks/08b_prefix_cache.ipynb", "notebooks/08a_serving_many_requests.ipynb",
                  "notebooks/03_kv_cache.ipynb", "notebooks/12b_moving_the_cache.ipynb",
