@@ -185,8 +185,35 @@ def _by_id(r):
     return r.id
 
 
+def _factory_cache(cache_factory, model, config: EngineConfig) -> PagedKVCache:
+    """The cache ``cache_factory(model, num_blocks, block_size)`` builds (the capstone's seam: a learner's cache class
+    behind the engine and the server), checked: a PagedKVCache (or a subclass) with exactly that pool. The factory's
+    cache decides prefix caching; host/disk tiers and swap preemption copy only the plain K/V pools, so they stay
+    with the engine's own cache."""
+    if not callable(cache_factory):
+        raise TypeError(f"cache_factory must be a callable (model, num_blocks, block_size) -> PagedKVCache, got "
+                        f"{type(cache_factory).__name__}")
+    if config.tiered or config.preemption != "recompute":
+        raise ValueError("cache_factory works with preemption='recompute' and no host/disk tiers (they copy the "
+                         "engine's own K/V pools, not a custom cache's other buffers)")
+    cache = cache_factory(model, config.num_blocks, config.block_size)
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache_factory must return a kvlib.paged.PagedKVCache (or a subclass), got "
+                        f"{type(cache).__name__}")
+    if cache.allocator.num_blocks != config.num_blocks or cache.block_size != config.block_size:
+        raise ValueError(f"cache_factory returned a pool of {cache.allocator.num_blocks} blocks of {cache.block_size}; "
+                         f"the engine asked for num_blocks={config.num_blocks}, block_size={config.block_size}")
+    if cache.tables:
+        raise ValueError(f"cache_factory must return an empty cache, got one holding {len(cache.tables)} sequence(s)")
+    return cache
+
+
 class Engine:
     """Continuous batching over one PagedKVCache; see the module docstring for the rules.
+
+    ``cache_factory``: None (the engine builds ``PagedKVCache.for_model``), or a callable (model, num_blocks,
+    block_size) -> an empty PagedKVCache subclass with that pool, used instead (the capstone's paged INT8 cache
+    with eviction); it needs ``preemption="recompute"`` and no host/disk tiers.
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> with torch.random.fork_rng():
@@ -210,16 +237,19 @@ class Engine:
                  max_batched_tokens: int = 64, preemption: str = "recompute", watermark: float = 0.01,
                  prefix_caching: bool = True, kernels: str | None = None, host_blocks: int = 0,
                  disk_dir: str | None = None, disk_blocks: int = 0, tokenizer=None, max_events: int = 100_000,
-                 max_finished: int = 100_000):
+                 max_finished: int = 100_000, cache_factory=None):
         self.config = EngineConfig(num_blocks, block_size, max_num_seqs, max_batched_tokens, preemption,
                                    watermark, prefix_caching, host_blocks, disk_dir, disk_blocks, max_events,
                                    max_finished)
         self.model, self.tokenizer = model, tokenizer  # the tokenizer decodes outputs for stop strings
-        tiers = None
-        if self.config.tiered:
-            tiers = HostDiskTiers(host_blocks, disk_dir, disk_blocks, pin=torch.device(model.device).type == "cuda")
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kernels=kernels,
-                                            prefix_caching=prefix_caching, retain_freed=prefix_caching, tiers=tiers)
+        if cache_factory is not None:
+            self.cache = _factory_cache(cache_factory, model, self.config)
+        else:
+            tiers = None
+            if self.config.tiered:
+                tiers = HostDiskTiers(host_blocks, disk_dir, disk_blocks, pin=torch.device(model.device).type == "cuda")
+            self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kernels=kernels,
+                                                prefix_caching=prefix_caching, retain_freed=prefix_caching, tiers=tiers)
         self.requests: dict[int, Request] = {}  # requests by id (= arrival order); finished ones up to max_finished
         self._finished: deque = deque()  # ids of finished / aborted requests still in self.requests, oldest first
         self._aborted: list = []  # aborted since the last step, for stream()

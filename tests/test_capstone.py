@@ -1,0 +1,167 @@
+"""The capstone (lab 13): the engine's cache_factory seam, the reference paged INT8 cache with block eviction, its
+memory count, and the judge's report (kvlib.course.capstone, kvlib.engine.Engine(cache_factory=...))."""
+
+import math
+
+import pytest
+import torch
+
+from kvlib.course import capstone
+from kvlib.engine import Engine
+from kvlib.generate import generate
+from kvlib.model import ModelConfig, Transformer, load_tiny
+from kvlib.paged import PagedKVCache
+from kvlib.quant import Int8KVCache
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 3, 7], [1, 2, 3, 4, 9, 9, 9, 2, 5, 6, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                       hidden_dim=64)).eval()
+
+
+def _run(model, **kw):
+    engine = Engine(model, num_blocks=12, block_size=4, max_num_seqs=2, max_batched_tokens=8, **kw)
+    ids = [engine.add_request(p, max_new_tokens=6) for p in PROMPTS]
+    out = engine.run()
+    return engine, [out[i] for i in ids]
+
+
+def test_the_default_path_is_bit_identical(model):
+    plain, out = _run(model)
+    explicit, out_none = _run(model, cache_factory=None)
+    same = lambda m, n, b: PagedKVCache.for_model(m, n, b, prefix_caching=True, retain_freed=True)  # noqa: E731
+    built, out_built = _run(model, cache_factory=same)
+    assert type(plain.cache) is PagedKVCache and type(explicit.cache) is PagedKVCache
+    assert out == out_none == out_built
+    for e in (explicit, built):
+        assert all(torch.equal(a, b) for a, b in zip(plain.cache.k + plain.cache.v, e.cache.k + e.cache.v))
+        assert [ev["scheduled"] for ev in plain.events] == [ev["scheduled"] for ev in e.events]
+
+
+@pytest.mark.parametrize("factory, kw, err, words", [
+    ("not a function", {}, TypeError, "cache_factory must be a callable"),
+    (lambda m, n, b: object(), {}, TypeError, "cache_factory must return a kvlib.paged.PagedKVCache"),
+    (lambda m, n, b: PagedKVCache.for_model(m, n + 1, b), {}, ValueError, "num_blocks=12"),
+    (lambda m, n, b: PagedKVCache.for_model(m, n, b * 2), {}, ValueError, "block_size=4"),
+    (lambda m, n, b: PagedKVCache.for_model(m, n, b), {"preemption": "swap"}, ValueError, "cache_factory works with"),
+    (lambda m, n, b: PagedKVCache.for_model(m, n, b), {"host_blocks": 4}, ValueError, "cache_factory works with"),
+])
+def test_a_bad_factory_is_refused_naming_the_argument(model, factory, kw, err, words):
+    with pytest.raises(err, match=words):
+        Engine(model, num_blocks=12, block_size=4, cache_factory=factory, **kw)
+
+
+def test_the_factory_must_give_an_empty_cache(model):
+    def used(m, n, b):
+        c = PagedKVCache.for_model(m, n, b)
+        c.add_sequence("x")
+        return c
+
+    with pytest.raises(ValueError, match="cache_factory must return an empty cache"):
+        Engine(model, num_blocks=12, block_size=4, cache_factory=used)
+
+
+def test_the_server_passes_the_factory_through():
+    from kvlib.serve import Server
+
+    model, tok = load_tiny(device="cpu")
+    srv = Server(model, tok, "tiny", num_blocks=8, block_size=4,
+                 cache_factory=capstone.factory(capstone.PagedInt8Cache, dict(block_size=4, budget=8, rule="window")))
+    assert type(srv.engine.cache) is capstone.PagedInt8Cache and srv.engine.cache.budget == 8
+
+
+def test_int8_without_eviction_matches_chapter_06s_cache(model):
+    engine, out = _run(model, cache_factory=capstone.factory(capstone.PagedInt8Cache,
+                                                             dict(block_size=4, budget=None, rule="none")))
+    assert engine.cache.k[0].dtype == torch.int8 and engine.cache.k_scale[0].dtype == torch.float16
+    for p, o in zip(PROMPTS, out):
+        assert o == generate(model, [p], 6, cache=Int8KVCache.for_model(model, 1, 32))[0].tolist()
+    assert engine.cache.allocator.num_free == 12
+
+
+def test_eviction_under_the_engine_bounds_what_a_sequence_holds(model):
+    cache_seen = []
+    fac = capstone.factory(capstone.PagedInt8Cache, dict(block_size=4, budget=8, rule="sinks + window"))
+
+    def spy(m, n, b):
+        c = fac(m, n, b)
+        cache_seen.append(c)
+        return c
+
+    engine = Engine(model, num_blocks=12, block_size=4, max_num_seqs=2, max_batched_tokens=8, cache_factory=spy)
+    rid = engine.add_request(list(range(1, 15)), max_new_tokens=20)
+    c = cache_seen[0]
+    while engine.has_unfinished():
+        engine.step()
+        if rid in c.tables:
+            assert 5 <= c.lens[rid] <= 8 or c.dropped[rid] == 0  # budget - block + 1 .. budget once it evicts
+            assert c.lens[rid] + c.dropped[rid] == engine.requests[rid].computed
+            assert c.tables[rid][0] == 0  # the sink block stays
+    assert len(engine.requests[rid].output) == 20 and c.allocator.num_free == 12
+
+
+def test_drop_blocks():
+    f = capstone.drop_blocks
+    assert f([0, 1, 2, 3, 4], 70, 48, 16, 1) == 2  # 70 -> 54 -> 38
+    assert f([0, 1, 2, 3], 64, 64, 16, 1) == 0  # at the budget: nothing
+    assert f([1, 2], 30, 8, 16, 1) == 0  # only the sink and the last block
+    assert f([5, 6, 7], 40, 16, 16, 0) == 2  # no sink: the last block alone stays
+    assert f([0, 1, 2], 33, None, 16, 1) == 0
+
+
+def test_store_and_load_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    codes, scales = torch.zeros(3, 4, 2, 8, dtype=torch.int8), torch.ones(3, 4, 2, dtype=torch.float16)
+    rows = torch.randn(5, 2, 8, generator=g)
+    slots = torch.tensor([11, 0, 1, 5, 4])
+    capstone.store_int8(codes, scales, rows, slots)
+    back = capstone.load_int8(codes, scales, torch.arange(3)).reshape(12, 2, 8)[slots]
+    step = rows.abs().amax(-1, keepdim=True) / 127
+    assert ((back - rows).abs() <= step * 0.5 + 1e-3 * step).all()
+
+
+def test_server_bytes_count_codes_scales_and_the_table(model):
+    cache = capstone.PagedInt8Cache.for_model(model, 6, 4, budget=8, sink_blocks=1)
+    seq = capstone.OneSequence(cache)
+    with torch.no_grad():
+        model(torch.arange(1, 12)[None], cache=seq)
+    cfg = model.config
+    per_block = cfg.n_layers * 2 * (4 * cfg.n_kv_heads * cfg.head_dim * 1 + 4 * cfg.n_kv_heads * 2)
+    assert capstone.bytes_per_block(cache) == per_block
+    assert capstone.server_bytes(cache, 0) == len(cache.tables[0]) * (per_block + 4)
+    assert cache.lens[0] + cache.dropped[0] == 11 and int(seq.seq_lens[0]) == 11
+
+
+def _fake(ppl_nll, k, ttft, itl, mem):
+    nll = torch.full((64,), math.log(ppl_nll)) + torch.linspace(-0.5, 0.5, 64)
+    return {"decisions": dict(block_size=16, budget=96, rule="sinks + window"),
+            "memory": {256: mem, "fp16": {256: 4 * mem}}, "perplexity": math.exp(nll.mean().item()),
+            "ppl_low": 1.0, "ppl_high": 2.0, "nll": nll, "passkey_k": k, "passkey_n": 24,
+            "latency": {"ttft_ms": ttft, "itl_ms": itl}}
+
+
+def test_the_report_says_separated_only_where_intervals_separate():
+    same = _fake(20, 12, [100, 110, 120, 105], [30, 31, 32, 33], 1000)
+    worse = _fake(60, 1, [400, 410, 420, 405], [30, 31, 32, 33], 2000)
+    rows = {r["figure"].split(" [")[0]: r["comparison"] for r in capstone.report_rows({"yours": worse, "reference": same})}
+    assert rows["memory per sequence at 256 tokens"] == "exact: yours / reference = 2.000"
+    assert rows["perplexity"].startswith("separated: yours higher")
+    assert rows["passkey retrieved"] == "separated: yours lower"
+    assert rows["TTFT p50 ms"] == "separated: yours higher" and rows["ITL p50 ms"] == "not separated"
+    rows = capstone.report_rows({"yours": same, "reference": same})
+    assert all(r["comparison"] in ("same", "not separated") or r["comparison"].startswith(("exact", "not separated"))
+               for r in rows)
+    few = _fake(20, 12, [100], [30], 1000)
+    assert "too few requests" in capstone.report_rows({"yours": few, "reference": same})[-1]["comparison"]
+    assert not any("pass" in r["comparison"].lower() for r in rows)
+
+
+def test_held_while_decoding_saws_between_budget_minus_a_block_and_budget():
+    held = capstone.held_while_decoding(24, 8, n_tokens=60)
+    after = held[20:]
+    assert min(after) == 24 - 8 + 1 and max(after) == 24
