@@ -3,9 +3,10 @@
 What you will learn:
 - a cache with a budget holds a *choice* of past positions. Which ones is the whole method:
   the most recent (sliding window), the first few + the most recent (attention sinks, StreamingLLM,
-  Xiao et al. 2023), the ones that received the most attention so far + the most recent (heavy
-  hitters, H2O, Zhang et al. 2023), or the ones the last prompt tokens attend to most, chosen once
-  after a prefill, every later token kept (SnapKV, Li et al. 2024; PyramidKV with a budget per layer);
+  Xiao et al. 2023), the ones that received the most attention (from the whole prompt, then from
+  every decoded token) + the most recent (heavy hitters, H2O, Zhang et al. 2023), or the ones the
+  last prompt tokens attend to most, chosen once after a prefill, every later token kept (SnapKV,
+  Li et al. 2024; PyramidKV with a budget per layer);
 - one cache class, four *priorities*: every method is a score per held position, and eviction keeps
   the ``budget`` highest (``keep_highest``). Sinks and the recent window get +inf;
 - the index layout: K/V rows stay where they were written (physical slots of a buffer of
@@ -24,11 +25,12 @@ What you will learn:
   keeps only each slot's RoPE position (``rot``) and rotates the held keys to it, in fp32, when it
   attends, so a key is rounded once however often it is renumbered. Notebook 09 measures both;
 - streaming: a long call (a prompt) is processed in ``chunk``-token steps inside every layer, with
-  an eviction after each step, so a prompt token never attends to a position already evicted. SnapKV
-  and PyramidKV instead treat a cache's first call as the prefill, as their papers and kvpress do: it
-  attends fully over itself, only the kept rows are stored (no buffer ever holds the whole prompt), and
-  every later token is kept, the buffers growing by ``chunk`` rows when full (``decode_evict=True``, ours,
-  evicts again at every later step);
+  an eviction after each step, so a prompt token never attends to a position already evicted. H2O,
+  SnapKV and PyramidKV instead treat a cache's first call as the prefill, as their reference code (and
+  kvpress) does: it attends fully over itself, and only the kept rows are stored (no buffer ever holds the
+  whole prompt). After it H2O evicts one position per decoded token (``prefill="stream"``, ours, streams
+  the prompt too); SnapKV and PyramidKV keep every later token, the buffers growing by ``chunk`` rows
+  when full (``decode_evict=True``, ours, evicts again at every later step);
 - ``PagedWindowCache``: on chapter 05's paged cache, a window (+ sink blocks) frees whole blocks
   back to the pool as a sequence grows.
 
@@ -568,6 +570,9 @@ class BudgetCache(KVCache):
     prefill_whole = False
     #: after the prefill every token is kept (nothing is evicted): the buffers grow instead
     keeps_decoded = False
+    #: the prefill also sums the attention each prompt position received from every prompt query (H2O), into
+    #: ``self._received`` (B, H_KV, T) before ``prefill_priority`` is asked
+    prefill_received = False
 
     def prefill_priority(self, layer_idx: int, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """(B, H_KV, T) priority of a prompt's positions from its queries q (B, H, T, D) and keys (B, H_KV, T, D)
@@ -591,12 +596,18 @@ class BudgetCache(KVCache):
             keys = rotate(keys, *rope_cos_sin(p.expand(B, H_KV, T), self.inv_freq, torch.float32))
         k_all, v_all = keys.repeat_interleave(n_rep, 1), v.float().repeat_interleave(n_rep, 1)
         outs = []
+        received = torch.zeros(B, H_KV, T, device=q.device) if self.prefill_received else None
         for t0 in range(0, T, 256):  # causal attention over the call itself, 256 query rows at a time
             t1 = min(T, t0 + 256)
             scores = q[:, :, t0:t1].float() @ k_all.transpose(-1, -2) / math.sqrt(D)  # (B, H, t1 - t0, T)
             future = p[None] > p[t0:t1, None]
-            outs.append(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v_all)
+            probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+            outs.append(probs @ v_all)
+            if received is not None:  # H2O: the attention each position received, summed over these query rows
+                received = h2o_accumulate(received, probs, n_rep)
         out = torch.cat(outs, dim=2).to(q.dtype)
+        if received is not None:
+            self._received = received
 
         keep = keep_highest(self.prefill_priority(layer_idx, q, keys), torch.full((B,), T, device=q.device), budget)
         self._make_slots(layer_idx, budget)  # a view or a reset cache may need its budget's rows back
@@ -751,25 +762,51 @@ def _recent(N: int, n_held: torch.Tensor, recent: int) -> torch.Tensor:
 
 
 class H2OCache(BudgetCache):
-    """Heavy hitters (H2O): the ``recent`` latest positions + those with the most accumulated attention.
+    """Heavy hitters (H2O, Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+    Language Models", arXiv:2306.14048): the ``recent`` latest positions + those with the most accumulated attention.
 
-    Every step adds each held position's attention probability (summed over the K/V head's query
-    heads and the step's queries) to its score (``h2o_accumulate``); eviction keeps the window and
-    then the highest scores, per K/V head. Default ``recent = budget // 2`` (the paper splits its
-    budget evenly between heavy hitters and recent tokens).
+    Default (``prefill="whole"``), as H2O's reference code runs it (github.com/FMInference/H2O,
+    ``h2o_hf/utils_real_drop/modify_llama.py``, ``H2OKVCache_LayerWise``): the first call on an empty cache (the
+    prefill) attends fully over the prompt; each prompt position's score is the attention it received from *every*
+    prompt query (the question's included); if the prompt is longer than the budget it is compressed *once* to the
+    ``recent`` latest positions + the ``budget - recent`` highest scores, and the kept positions carry their scores
+    on. Every later step adds each held position's attention probability to its score (``h2o_accumulate``) and
+    evicts back to the budget: one position per decoded token. Only the kept rows are stored (as SnapKV's prefill:
+    no buffer holds the whole prompt); the buffers hold budget + ``chunk`` rows and never grow.
+
+    ``prefill="stream"`` is *ours*, not the reference's: the prompt runs in ``chunk``-token steps with an eviction
+    after each, so a position is scored only by the queries that arrived while it was held, and the prompt's first
+    positions are chosen before its end (the question) has been read.
+
+    A score sums over the T queries of a step and over the K/V head's query heads (the reference code has one
+    K/V head per query head; with grouped heads a K/V head keeps one set of positions for all of its query heads,
+    the course's choice, as for SnapKV). Default ``recent = budget // 2`` (the paper splits its budget evenly
+    between heavy hitters and recent tokens).
 
     >>> from kvlib.model import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64)).eval()
-    >>> cache = H2OCache.for_model(model, batch=1, budget=4, chunk=1)
+    >>> cache = H2OCache.for_model(model, batch=1, budget=4)
     >>> with torch.no_grad():
-    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)  # the prefill: 7 -> 4, once
+    ...     _ = model(torch.tensor([[8]]), positions=cache.next_positions(), cache=cache)  # one in, one out
     >>> cache.held(0), cache.held_positions(0)[0, -2:].tolist()  # the 2 most recent are always held
-    (4, [5, 6])
+    (4, [6, 7])
+    >>> ours = H2OCache.for_model(model, batch=1, budget=4, chunk=1, prefill="stream")
+    >>> with torch.no_grad():
+    ...     _ = model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=ours)  # evicts after every token
+    >>> ours.prefill, ours.held(0), int(ours.evicted[0])
+    ('stream', 4, 3)
     """
 
     needs_probs = True
+    prefill_whole = True  # the reference's prefill; prefill="stream" (ours) turns it off for one cache
+    prefill_received = True  # _compress_prefill sums the attention each prompt position received
 
-    def __init__(self, *args, recent: int | None = None, **kw):
+    def __init__(self, *args, recent: int | None = None, prefill: str = "whole", **kw):
+        if prefill not in ("whole", "stream"):
+            raise ValueError(f"prefill must be 'whole' (H2O's reference code) or 'stream' (ours), got {prefill!r}")
+        self.prefill = prefill
+        self.prefill_whole = prefill == "whole"  # read by BudgetCache.__init__ (prefill_len) and attend
         super().__init__(*args, **kw)
         self.recent = self.budget // 2 if recent is None else check_int("recent", recent, minimum=0)
         if self.recent > self.budget:
@@ -786,6 +823,17 @@ class H2OCache(BudgetCache):
         rows = self.index[layer_idx][:, :, :N]
         score = self.score[layer_idx].gather(2, rows)
         return score.masked_fill(_recent(N, self.n_held[layer_idx], self.recent), float("inf"))
+
+    def prefill_priority(self, layer_idx, q, keys):
+        received = self._received  # (B, H_KV, T): what _compress_prefill summed over every prompt query
+        T = received.shape[2]
+        recent = torch.arange(T, device=received.device) >= T - self.recent
+        return received.masked_fill(recent[None, None], float("inf"))
+
+    def after_prefill(self, layer_idx, keep):
+        received, self._received = self._received, None  # (not held past the call: a temporary of the prefill)
+        n = keep.shape[2]
+        self.score[layer_idx][:, :, :n] = received.gather(2, keep)  # kept slot j holds position keep[j]
 
 
 def pool_votes(votes: torch.Tensor, window: torch.Tensor, kernel: int, pooling: str = "max") -> torch.Tensor:

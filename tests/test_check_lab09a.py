@@ -25,9 +25,9 @@ def evidence(small):
     return ch09.needle_evidence(small, ch09.passkey_prompts(ByteTokenizer(), n=4, length=418), frac=0.25)
 
 
-def _fake(shares):
+def _fake(shares, rules=ch09.CHOICES):
     return pd.DataFrame({"needle held (mean %)": shares, "prompts holding any of it": [0, 1, 2], "prompts": [3] * 3},
-                        index=list(ch09.CHOICES))
+                        index=list(rules))
 
 
 def test_the_evidence_is_what_the_caches_hold(small, evidence):
@@ -47,8 +47,8 @@ def test_the_window_holds_no_needle_outside_it(small):
     assert early and ev.loc["sinks + window", "needle held (mean %)"] == 0
 
 
-@pytest.mark.parametrize("shares, right", [([10.0, 40.0, 90.0], "SnapKV"), ([10.0, 60.0, 30.0], "H2O"),
-                                           ([80.0, 40.0, 30.0], "sinks + window")])
+@pytest.mark.parametrize("shares, right", [([10.0, 40.0, 90.0], "SnapKV"), ([60.0, 10.0, 30.0], "H2O"),
+                                           ([30.0, 80.0, 40.0], "H2O, streamed (ours)")])
 def test_the_reference_is_the_rule_that_holds_most(shares, right, capsys):
     ev = _fake(shares)
     assert ch09.check_needle_choice(right, ev) is True
@@ -59,9 +59,12 @@ def test_the_reference_is_the_rule_that_holds_most(shares, right, capsys):
         assert f"yours {wrong}" in str(e.value) and f"reference {right}" in str(e.value)
 
 
-@pytest.mark.parametrize("wrong, words", [("sinks + window", "further back"), ("H2O", "before the question")])
+@pytest.mark.parametrize("wrong, words", [("sinks + window", "further back"), ("H2O", "every prompt query"),
+                                          ("H2O, streamed (ours)", "before the question")])
 def test_each_wrong_choice_gets_its_reason(wrong, words):
-    lines = lab09.needle_choice(wrong, "SnapKV", _fake([5.0, 30.0, 85.0]))
+    rules = ch09.CHOICES if wrong in ch09.CHOICES else (wrong, "H2O", "SnapKV")  # the window: an extra rule to try
+    shares = [85.0 if r == "SnapKV" else 5.0 + 25.0 * (r == wrong) for r in rules]
+    lines = lab09.needle_choice(wrong, "SnapKV", _fake(shares, rules))
     assert len(lines) == 1 and words in lines[0] and f"{wrong} holds" in lines[0]
     assert mistakes.needle_choice is lab09.needle_choice  # the package gathers it
 
@@ -77,3 +80,21 @@ def test_the_former_lab_09_diagnoses_stay_for_lab_09b():
     for name in ("sink_window_keep", "h2o_update", "snapkv_priority", "quantize_2bit", "quantize_keys_2bit",
                  "absorbed_attention"):
         assert name in lab09.__all__ and callable(getattr(mistakes, name))
+
+
+def test_the_lead_is_a_paired_interval_over_the_prompts(capsys):
+    per = {"H2O, streamed (ours)": [10.0, 10.0, 10.0, 10.0], "H2O": [20.0, 10.0, 30.0, 20.0],
+           "SnapKV": [30.0, 20.0, 40.0, 30.0]}
+    ev = pd.DataFrame({"needle held (mean %)": [sum(v) / 4 for v in per.values()], "prompts holding any of it": [4] * 3,
+                       "prompts": [4] * 3, "per prompt (%)": list(per.values())}, index=list(per))
+    leads = ch09.needle_lead(ev)  # against each other rule, in order of their mean
+    assert leads[0] == ("SnapKV", "H2O", 10.0, 10.0, 10.0)  # +10 on every prompt: paired, no spread
+    assert leads[1][:3] == ("SnapKV", "H2O, streamed (ours)", 20.0) and leads[1][3] < 20.0 < leads[1][4]
+    assert ch09.check_needle_choice("SnapKV", ev) is True
+    out = capsys.readouterr().out
+    assert "SnapKV - H2O: +10.0 points of the needle [+10.0, +10.0] (95% paired bootstrap over 4 prompts)" in out
+    assert "SnapKV - H2O, streamed (ours): +20.0 points" in out
+    assert "per prompt" not in out  # the per-prompt shares feed the interval; the table shows the means
+    ev.at["SnapKV", "per prompt (%)"] = [40.0, 0.0, 50.0, 30.0]  # the same mean lead, not on every prompt
+    best, other, lead, lo, hi = ch09.needle_lead(ev)[0]
+    assert (best, other) == ("SnapKV", "H2O") and lo < 0 < lead < hi

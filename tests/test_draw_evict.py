@@ -39,6 +39,7 @@ def test_the_share_is_read_from_held_positions(small):
     lambda m: SlidingWindowCache.for_model(m, 1, 10, chunk=4),
     lambda m: SinkCache.for_model(m, 1, 10, n_sink=3, chunk=4),
     lambda m: H2OCache.for_model(m, 1, 10, chunk=4),
+    lambda m: H2OCache.for_model(m, 1, 10, chunk=4, prefill="stream"),
     lambda m: SnapKVCache.for_model(m, 1, 10, window=4),
     lambda m: PyramidKVCache.for_model(m, 1, 10, window=4),
 ])

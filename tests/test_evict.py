@@ -18,6 +18,7 @@ METHODS = {
     "window": (SlidingWindowCache, {}),
     "sinks": (SinkCache, {"n_sink": 2}),
     "h2o": (H2OCache, {}),
+    "h2o streamed (ours)": (H2OCache, {"prefill": "stream"}),
     "snapkv": (SnapKVCache, {"window": 4, "decode_evict": True}),
     "knorm": (KnormCache, {}),
     "tova": (TOVACache, {}),
@@ -144,7 +145,7 @@ def test_budget_covering_the_sequence_gives_the_full_caches_tokens(tiny, method,
     assert cache.held(0) == len(prompts[0]) + 11 and int(cache.evicted.sum()) == 0
 
 
-@pytest.mark.parametrize("method", ["window", "h2o", "tova", "expected attention", "snapkv paper"])
+@pytest.mark.parametrize("method", ["window", "h2o", "h2o streamed (ours)", "tova", "expected attention", "snapkv paper"])
 def test_triton_decode_path_matches_torch_path(method):
     # both paths on the device model: in GPU mode the Triton kernel needs CUDA tensors, and on one model the
     # two runs differ only in the decode kernel (on a CPU this is the CPU model, the kernel interpreted)
@@ -198,9 +199,9 @@ def test_streaming_inside_one_call_equals_separate_calls():
     model = gqa_model()
     ids = torch.randint(0, 64, (1, 23), generator=torch.Generator().manual_seed(3))
     for cls, opts in METHODS.values():
-        if cls.prefill_whole:  # SnapKV: its first call (the prefill) attends fully however long, by definition
-            continue
         one = cls.for_model(model, 1, budget=7, chunk=5, **opts)
+        if one.prefill_whole:  # H2O, SnapKV: the first call (the prefill) attends fully however long, by definition
+            continue
         many = cls.for_model(model, 1, budget=7, chunk=5, **opts)
         with torch.no_grad():
             a = model(ids, cache=one)
@@ -229,9 +230,10 @@ def test_reassigned_positions_differ_from_kept_ones_only_after_an_eviction():
     assert (out["kept", 0][:, 10:] - out["reassign", 0][:, 10:]).abs().max() > 1e-3
 
 
-def test_h2o_keeps_the_position_that_received_the_most_attention():
+@pytest.mark.parametrize("prefill", ["whole", "stream"])
+def test_h2o_keeps_the_position_that_received_the_most_attention(prefill):
     model = gqa_model()
-    cache = H2OCache.for_model(model, 1, budget=6, recent=2, chunk=1)
+    cache = H2OCache.for_model(model, 1, budget=6, recent=2, chunk=1, prefill=prefill)
     with torch.no_grad():
         model(torch.randint(0, 64, (1, 15), generator=torch.Generator().manual_seed(5)), cache=cache)
     for layer in range(2):
@@ -412,6 +414,7 @@ def test_a_batch_of_equal_lengths_equals_batch_one_runs(tiny, method):
     (lambda m: SnapKVCache.for_model(m, 1, budget=4, window=4), "window must be below"),
     (lambda m: SnapKVCache.for_model(m, 1, budget=8, window=2, kernel=4), "kernel must be odd"),
     (lambda m: H2OCache.for_model(m, 1, budget=4, recent=5), "recent must be at most"),
+    (lambda m: H2OCache.for_model(m, 1, budget=4, prefill=True), "prefill must be 'whole'"),
     (lambda m: PagedWindowCache.for_model(m, 1, budget=4, block_size=4, sink_blocks=1), "sink blocks"),
 ])
 def test_bad_options_are_refused(make, match):

@@ -1,13 +1,15 @@
 """Chapter 09's rules that need no attention probabilities (key norm, TOVA, expected attention), PyramidKV's
-budgets per layer and SnapKV's pooling, each against a reference written from the paper / kvpress."""
+budgets per layer, SnapKV's pooling and H2O as its reference code runs it, each against a reference written from
+the paper / kvpress / the reference code."""
 
 import math
 
 import pytest
 import torch
 
-from kvlib.evict import (BudgetCache, ExpectedAttentionCache, KnormCache, PyramidKVCache, SnapKVCache, TOVACache,
-                         pool_votes, pyramid_budgets)
+from kvlib.evict import (BudgetCache, ExpectedAttentionCache, H2OCache, KnormCache, PyramidKVCache, SnapKVCache,
+                         TOVACache, pool_votes, pyramid_budgets)
+from kvlib.footprint import held_bytes
 from kvlib.generate import generate
 from kvlib.model import ModelConfig, Transformer, rope_cos_sin, rotate
 
@@ -121,6 +123,103 @@ def test_snapkv_reference_selection_after_a_prefill():
     for h in range(H_KV):  # the best budget - window by pooled votes (equal votes: the later position), + the window
         best = sorted(range(n - window), key=lambda j: (-float(pooled[h, j]), -j))[:budget - window]
         assert cache.held_positions(0)[h].tolist() == sorted(best) + list(range(n - window, n))
+
+
+def h2o_by_hand(qr, kr, prompt, budget, recent):
+    """H2O as FMInference/H2O's ``H2OKVCache_LayerWise`` runs it, on one sequence, per K/V head (its query heads'
+    attention summed): the prompt attends fully, each position's score is the attention it received from every
+    prompt query, the prompt is cut once to the top ``budget - recent`` scores before the recent window + the window;
+    then each decoded token attends over what is held, every held score grows by the attention it got, and the
+    lowest score outside the window goes. qr (H, n, D), kr (H_KV, n, D) rotated. Returns the held positions per
+    K/V head after the prefill and after every decoded token."""
+    n_rep, hh = H // H_KV, budget - recent
+    logits = qr[:, :prompt] @ kr[:, :prompt].repeat_interleave(n_rep, 0).transpose(-1, -2) / math.sqrt(D)
+    causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)  # (H, prompt, prompt)
+    received = probs.sum(1).view(H_KV, n_rep, prompt).sum(1)  # (H_KV, prompt): summed over queries and heads
+    held, score = [], []
+    for g in range(H_KV):
+        top = received[g, :prompt - recent].topk(hh).indices.sort().values.tolist()
+        held.append(top + list(range(prompt - recent, prompt)))
+        score.append([float(received[g, j]) for j in held[g]])
+    history = [[list(h) for h in held]]
+    for t in range(prompt, qr.shape[1]):  # one decoded token: attend over the held + itself, add, evict one
+        for g in range(H_KV):
+            held[g].append(t)
+            score[g].append(0.0)
+            keys = kr[g, held[g]]  # (n + 1, D)
+            p = torch.softmax(qr[g * n_rep:(g + 1) * n_rep, t] @ keys.T / math.sqrt(D), -1).sum(0)
+            score[g] = [s + float(x) for s, x in zip(score[g], p)]
+            out = min(range(len(held[g]) - recent), key=lambda j: score[g][j])
+            del held[g][out], score[g][out]
+        history.append([list(h) for h in held])
+    return history
+
+
+def test_h2o_follows_its_reference_code_after_the_prefill_and_per_decoded_token():
+    """H2OCache (default) against h2o_by_hand on random tensors, batch 2 (each row its own contents)."""
+    budget, recent, prompt, n = 9, 4, 23, 29
+    B = 2
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h in (H, H_KV, H_KV))
+    q = 3 * q  # peaked attention: a position's score depends on its key, not only on how many queries follow it
+    cos, sin = rope_cos_sin(torch.arange(n)[None], INV, torch.float32)
+    qr, kr = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+    cache = H2OCache(1, B, H_KV, budget, D, recent=recent, chunk=4, inv_freq=INV, kernels="torch")
+    out = cache.attend(0, qr[:, :, :prompt], kr[:, :, :prompt], v[:, :, :prompt])  # the prefill, one call
+    full = torch.nn.functional.scaled_dot_product_attention(
+        qr[:, :, :prompt], kr[:, :, :prompt].repeat_interleave(H // H_KV, 1),
+        v[:, :, :prompt].repeat_interleave(H // H_KV, 1), is_causal=True)
+    assert torch.allclose(out, full, atol=1e-5)  # the prompt attended fully: nothing was evicted while it ran
+    got = [[cache.held_positions(b).tolist() for b in range(B)]]
+    for t in range(prompt, n):
+        cache.attend(0, qr[:, :, t:t + 1], kr[:, :, t:t + 1], v[:, :, t:t + 1])
+        got.append([cache.held_positions(b).tolist() for b in range(B)])
+    for b in range(B):
+        want = h2o_by_hand(qr[b], kr[b], prompt, budget, recent)
+        assert [step[b] for step in got] == want, b
+    assert got[0][0] != got[0][1]  # the rows chose differently: a batch is not one choice
+    assert any(heads[:budget - recent] != list(range(budget - recent)) for heads in got[0][0])  # not just the first
+    assert cache.prefill_len.tolist() == [prompt] * B and cache.evicted.tolist() == [n - budget] * B
+    assert cache.index[0].shape[2] == budget + 4  # no row for the whole prompt, and no growth while decoding
+
+
+def test_h2o_streamed_is_ours_and_chooses_before_the_prompt_ends():
+    """prefill="stream" evicts as the prompt streams in chunks: it keeps other positions than the reference rule,
+    and equals the reference rule fed the prompt one chunk per call (its first call then fits the budget)."""
+    budget, prompt = 8, 24
+    caches = {mode: H2OCache(1, 1, H_KV, budget, D, chunk=4, inv_freq=INV, prefill=mode) for mode in ("whole", "stream")}
+    held = {}
+    for mode, cache in caches.items():
+        stream(cache, prompt, seed=16, T=prompt)
+        held[mode] = cache.held_positions(0).tolist()
+    chunked = H2OCache(1, 1, H_KV, budget, D, chunk=4, inv_freq=INV)
+    stream(chunked, prompt, seed=16, T=4)  # a first call of 4 <= budget: nothing to compress, then 4 per call
+    assert held["stream"] == chunked.held_positions(0).tolist() and held["stream"] != held["whole"]
+    assert caches["stream"].prefill == "stream" and not caches["stream"].prefill_whole
+    with pytest.raises(ValueError, match="prefill must be"):
+        H2OCache(1, 1, H_KV, budget, D, prefill="chunked")
+
+
+def test_h2o_holds_snapkvs_bytes_after_the_prompt_and_never_grows():
+    """Memory as a server pays it: after the prefill the reference H2O holds exactly what SnapKV's paper rule holds
+    (budget + chunk rows, index, positions, scores, the prefill's length); no temporary of the prefill stays held; the
+    streamed H2O holds the same but the prefill's length; decoding changes nothing (one in, one out)."""
+    model = gqa_model(n_layers=2)
+    ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(9))
+    h2o, ours = H2OCache.for_model(model, 1, 12, chunk=8), H2OCache.for_model(model, 1, 12, chunk=8, prefill="stream")
+    snap = SnapKVCache.for_model(model, 1, 12, window=4, chunk=8)
+    with torch.no_grad():
+        for cache in (h2o, ours, snap):
+            model(ids[:, :40], cache=cache)
+    after = {name: held_bytes(c) for name, c in (("h2o", h2o), ("ours", ours), ("snap", snap))}
+    assert after["h2o"].total == after["snap"].total == h2o.nbytes()
+    assert after["h2o"].total - after["ours"].total == 8  # prefill_len: one int64 per sequence
+    assert not any("received" in path for path in after["h2o"].tensors) and getattr(h2o, "_received", None) is None
+    with torch.no_grad():
+        for t in range(40, 60):
+            model(ids[:, t:t + 1], positions=torch.tensor([[t]]), cache=h2o)
+    assert held_bytes(h2o).total == after["h2o"].total and h2o.held(0) == 12
 
 
 def test_pyramid_budgets_fall_linearly_and_average_the_budget():

@@ -435,6 +435,8 @@ def full_cache(model):
 
 # Chapter 09a's rules: name -> build(model, batch, budget). A budget is a number of positions per sequence (and
 # per layer; PyramidKV's is the mean over layers). SnapKV-like rules vote with a window of min(16, budget // 2).
+# "H2O" is H2O as its reference code runs it (the prompt attends whole and is cut once, then one eviction per
+# token); "H2O, streamed (ours)" is the same score chosen as the prompt streams in, before its end is read.
 def _snap_window(budget):
     return min(16, budget // 2)
 
@@ -445,7 +447,8 @@ def _rules():
     return {
         "sliding window": lambda m, B, b: evict.SlidingWindowCache.for_model(m, B, b),
         "sinks + window": lambda m, B, b: evict.SinkCache.for_model(m, B, b, n_sink=4),
-        "H2O": lambda m, B, b: evict.H2OCache.for_model(m, B, b),
+        "H2O": lambda m, B, b: evict.H2OCache.for_model(m, B, b),  # as its reference code: the prompt read whole
+        "H2O, streamed (ours)": lambda m, B, b: evict.H2OCache.for_model(m, B, b, prefill="stream"),
         "SnapKV": lambda m, B, b: evict.SnapKVCache.for_model(m, B, b, window=_snap_window(b)),
         "SnapKV, re-evicting (ours)": lambda m, B, b: evict.SnapKVCache.for_model(
             m, B, b, window=_snap_window(b), decode_evict=True),
@@ -592,8 +595,8 @@ def plot_quality_memory(table, title: str = ""):
 # --------------------------------------------------------------------------------------------
 
 
-PICTURE_RULES = ["sliding window", "sinks + window", "H2O", "SnapKV", "PyramidKV", "TOVA", "key norm",
-                 "expected attention"]
+PICTURE_RULES = ["sliding window", "sinks + window", "H2O", "H2O, streamed (ours)", "SnapKV", "PyramidKV", "TOVA",
+                 "key norm", "expected attention"]
 
 
 @torch.no_grad()
@@ -703,16 +706,16 @@ def kvpress_line() -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Lab 09a's decision: which rule holds the needle when the question has been read
+# Lab 09a's decision: whose attention holds the needle when the question has been read
 # --------------------------------------------------------------------------------------------
 
-CHOICES = ("sinks + window", "H2O", "SnapKV")
+CHOICES = ("H2O", "H2O, streamed (ours)", "SnapKV")  # three rules that choose by attention: whose, and when
 
 
 def needle_evidence(model, prompts: list[Passkey], frac: float = 0.25, rules=CHOICES):
     """Per rule, at a budget of ``frac`` of the prompt: the share of the needle its cache holds after the prompt
-    (mean over the prompts and every layer and K/V head), and on how many prompts it holds any of it -> DataFrame
-    indexed by rule."""
+    (mean over the prompts and every layer and K/V head), on how many prompts it holds any of it, and the share on
+    each prompt (for ``needle_lead``'s paired interval) -> DataFrame indexed by rule."""
     import pandas as pd
 
     rows = {}
@@ -722,20 +725,46 @@ def needle_evidence(model, prompts: list[Passkey], frac: float = 0.25, rules=CHO
             cache = prefilled(model, p.ids, budget_for(frac, len(p.ids)), [name])[name]
             shares.append(needle_held(cache, p.needle))
         rows[name] = {"needle held (mean %)": 100 * sum(shares) / len(shares),
-                      "prompts holding any of it": sum(s > 0 for s in shares), "prompts": len(shares)}
+                      "prompts holding any of it": sum(s > 0 for s in shares), "prompts": len(shares),
+                      "per prompt (%)": [100 * s for s in shares]}
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def needle_lead(evidence, n_boot: int = 4000, seed: int = 0) -> list[tuple]:
+    """[(best, other, lead, low, high), ...]: the rule with the highest mean share of the needle in ``evidence``
+    (``needle_evidence``), and its lead over each other rule in points of the needle, with the 95% paired bootstrap
+    interval over the prompts (each prompt went through both rules; one resampling of the prompts for all pairs),
+    the others in order of their mean. A lead whose interval lies above 0 is one these prompts support; one that
+    contains 0 is not separated."""
+    mean = evidence["needle held (mean %)"].astype(float).sort_values(ascending=False, kind="stable")
+    best = mean.index[0]
+    mine = torch.tensor(evidence.loc[best, "per prompt (%)"], dtype=torch.float64)
+    pick = torch.randint(len(mine), (n_boot, len(mine)), generator=torch.Generator().manual_seed(seed))
+    out = []
+    for other in mean.index[1:]:
+        d = mine - torch.tensor(evidence.loc[other, "per prompt (%)"], dtype=torch.float64)
+        boot = d[pick].mean(1)
+        out.append((best, other, d.mean().item(), boot.quantile(0.025).item(), boot.quantile(0.975).item()))
+    return out
 
 
 def check_needle_choice(choice: str, evidence) -> bool:
     """Lab 09a's decision: the rule (one of ``CHOICES``) that holds the most of the needle once the question has
-    been read. Prints the evidence and yours vs the reference (the rule with the highest measured share); a wrong
-    choice fails with its diagnosis (``kvlib.course.mistakes.lab09.needle_choice``)."""
+    been read. Prints the evidence (and, where it has the per-prompt shares, the best rule's lead over each other
+    rule with its paired interval, ``needle_lead``) and yours vs the reference (the rule with the highest measured
+    share); a wrong choice fails with its diagnosis (``kvlib.course.mistakes.lab09.needle_choice``)."""
     from .check import check_choice
     from .mistakes import lab09
 
     yours = str(choice).strip()
     ref = evidence["needle held (mean %)"].astype(float).idxmax()
-    print(evidence.round(1).to_string() + "\n")
+    shown = [c for c in evidence.columns if c != "per prompt (%)"]
+    print(evidence[shown].round(1).to_string())
+    if "per prompt (%)" in evidence:
+        for best, other, lead, lo, hi in needle_lead(evidence):
+            print(f"{best} - {other}: {lead:+.1f} points of the needle [{lo:+.1f}, {hi:+.1f}] "
+                  f"(95% paired bootstrap over {int(evidence.loc[best, 'prompts'])} prompts)")
+    print()
     return check_choice("rule that holds the most of the needle", yours, ref,
                         lambda: lab09.needle_choice(yours, ref, evidence))
 

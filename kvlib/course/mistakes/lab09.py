@@ -75,16 +75,19 @@ def h2o_update(scores, probs):
 WHY_NOT = {
     "sinks + window": "a window that ends at the question holds only the last budget - 4 positions (and the 4 sinks): a "
                       "needle further back than that is gone in every layer, whatever attention says",
-    "H2O": "H2O ranks positions by the attention they received while the prompt streamed, before the question existed; "
-           "the filler after the needle does not refer to it, so the needle competes with every other position and "
-           "half of H2O's budget is its recent window",
+    "H2O": "H2O has read the question too, but it ranks a position by the attention it received from every prompt "
+           "query, summed: the question's few queries are a small part of that sum, the filler's many do not refer to "
+           "the needle, and half of H2O's budget is its recent window",
+    "H2O, streamed (ours)": "the streamed H2O (ours) evicts as the prompt streams in, 32 tokens at a time: each choice is "
+                            "made by the queries read so far, before the question exists, and the filler after the "
+                            "needle does not refer to it; half of its budget is its recent window",
     "SnapKV": "SnapKV lets the prompt's last tokens, the question among them, vote after the whole prompt was read; "
               "here its vote went elsewhere: read the evidence table",
 }
 
 
 def needle_choice(yours: str, ref: str, evidence) -> list[str]:
-    """Lab 09a's decision (which rule holds the most of the needle once the question has been read): why the
+    """Lab 09a's decision (whose attention holds the most of the needle once the question has been read): why the
     chosen rule holds less than the reference, from the evidence (``kvlib.course.ch09.needle_evidence``)."""
     if yours not in evidence.index:
         return [f"{yours!r} is not one of the rules measured: {', '.join(map(repr, evidence.index))}"]
