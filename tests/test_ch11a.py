@@ -56,11 +56,25 @@ def test_the_prediction_charges_each_step_its_actual_draft_length():
 
 
 def test_verdicts_only_where_the_ranges_separate():
-    runs = [_run("t", 0, 10, [], [], [1.0, 1.1, 1.2]), _run("t", 1, 10, [1] * 5, [1] * 5, [0.5, 0.6, 0.7]),
-            _run("t", 2, 10, [2] * 5, [0] * 5, [1.15, 1.3, 1.4]), _run("t", 4, 10, [4] * 3, [0] * 3, [1.5, 1.6, 1.7])]
+    runs = [_run("t", 0, 10, [], [], [1.0, 1.1, 1.2, 1.05, 1.15]),
+            _run("t", 1, 10, [1] * 5, [1] * 5, [0.5, 0.6, 0.7, 0.55, 0.65]),
+            _run("t", 2, 10, [2] * 5, [0] * 5, [1.15, 1.3, 1.4, 1.25, 1.35]),
+            _run("t", 4, 10, [4] * 3, [0] * 3, [1.5, 1.6, 1.7, 1.55, 1.65])]
     lines = ch11a.speed_verdicts(runs)
     assert lines[0].endswith("faster than plain") and lines[1].endswith("not separated")
     assert lines[2].endswith("slower than plain")
+    few = [_run(r.task, r.k, 10, r.drafted, r.accepted, r.seconds[:3]) for r in runs]  # 3 against 3: never a call
+    assert all("fewer than 5 runs" in line for line in ch11a.speed_verdicts(few))
+    assert ch11a.chance_separation(3, 3) == pytest.approx(0.1) and ch11a.chance_separation(5, 5) == pytest.approx(2 / 252)
+
+
+def test_zero_steps_tells_all_or_nothing_from_independence():
+    drafted, accepted = [7] + [8] * 10, [0, 8, 8, 8, 8, 4, 0, 6, 0, 0, 0]  # the code run's shape
+    z = ch11a.zero_steps(drafted, accepted, n_sims=4000)
+    assert z["accepting nothing"] == 5 and z["expected"] == pytest.approx(11 * 7 / 49)
+    assert z["exact"] == pytest.approx(0.01295, abs=1e-4) and z["simulated"] < 0.01
+    spread = ch11a.zero_steps([4] * 12, [4, 3, 4, 2, 4, 4, 1, 4, 3, 4, 0, 4], n_sims=4000)  # one empty step
+    assert spread["exact"] > 0.2 and spread["simulated"] > 0.05
 
 
 def test_alpha_counts_checked_drafts():

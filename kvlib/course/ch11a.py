@@ -11,17 +11,20 @@ each outcome would mean, and ``speed_verdicts`` prints a line only where two ran
 - ``identity_table``: greedy speculative decoding against ``generate`` on every cache kind (tiny model).
 - ``rule_distances``: the rejection rule sampled, two plausible wrong rules computed exactly.
 - ``forward_costs``: the cost of one forward over T tokens, several interleaved runs per T.
-- ``speed_runs`` / ``speed_table`` / ``predicted``: plain and speculative decoding, several interleaved runs, and
-  the speed-up predicted from each verification step's *actual* draft length beside the old prediction that
-  assumed every step fed k + 1 tokens.
-- ``alpha_table``, ``iid_spread``: Leviathan et al.'s per-draft rate with its Wilson interval, and what a run of
-  few steps can and cannot tell about their formula.
+- ``speed_session`` / ``speed_runs`` / ``speed_table`` / ``predicted``: plain and speculative decoding, several
+  interleaved runs with the prediction's inputs (forward costs, prefill) timed between them, and the speed-up
+  predicted from each verification step's *actual* draft length beside the old prediction that assumed every step
+  fed k + 1 tokens; ``speed_verdicts`` / ``chance_separation``: a verdict only where the ranges of at least five
+  runs each separate, and how often that happens by chance.
+- ``alpha_table``, ``iid_spread``, ``zero_steps``: Leviathan et al.'s per-draft rate with its Wilson interval, and
+  what a run of few steps can and cannot tell about their formula (its average; its independence assumption).
 - ``k_evidence``, ``k_reference``, ``check_k_choice``: lab 11a's decision (which k, or none).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -33,7 +36,7 @@ from ..stats import separated, wilson
 
 __all__ = ["FUNC", "tasks", "clock", "timed", "StepTrace", "capture_step", "rollback_table", "identity_table",
            "rule_distances", "forward_costs", "cost_table", "speed_runs", "speed_table", "predicted", "plot_speed",
-           "speed_verdicts", "prefill_ms", "transformers_names", "hf_prompt_lookup", "hf_line", "alpha_table", "leviathan", "iid_spread", "k_evidence", "k_reference", "check_k_choice", "lab_docstring",
+           "speed_verdicts", "chance_separation", "speed_session", "zero_steps", "prefill_ms", "transformers_names", "hf_prompt_lookup", "hf_line", "alpha_table", "leviathan", "iid_spread", "k_evidence", "k_reference", "check_k_choice", "lab_docstring",
            "MARGIN"]
 
 FUNC = '''def moving_average(values, window):
@@ -347,6 +350,18 @@ def forward_costs(model, sizes, cache_len: int = 128, runs: int = 5, seed: int =
     """{T: [ms, ...]}: ``runs`` timings (``clock``) of one forward over T tokens on a cache holding ``cache_len``
     positions, the sizes interleaved run by run (so a slow moment of the machine hits every T alike); each
     forward's rows are truncated away again."""
+    sweep = _sweeper(model, sizes, cache_len, seed)
+    out = {T: [] for T in sizes}
+    for _ in range(runs):
+        for T, ms in sweep().items():
+            out[T].append(ms)
+    return out
+
+
+@torch.no_grad()
+def _sweeper(model, sizes, cache_len: int, seed: int):
+    """A function timing one forward over each T in ``sizes`` ({T: ms}) on a cache of ``cache_len`` positions, made
+    once (the cache filled, one warm-up forward) so that it can be called between other runs."""
     from ..cache import KVCache
 
     g = torch.Generator().manual_seed(seed)
@@ -354,17 +369,14 @@ def forward_costs(model, sizes, cache_len: int = 128, runs: int = 5, seed: int =
     cache = KVCache.for_model(model, 1, cache_len + max(sizes))
     model(torch.randint(0, V, (1, cache_len), generator=g).to(dev), cache=cache)
 
+    @torch.no_grad()
     def forward(T):
         x = torch.randint(0, V, (1, T), generator=g).to(dev)
         model(x, positions=torch.arange(cache_len, cache_len + T, device=dev)[None], cache=cache)
         cache.truncate(0, cache_len)  # take the T rows back out: the rollback this chapter is about
 
     forward(1)  # warm-up
-    out = {T: [] for T in sizes}
-    for _ in range(runs):
-        for T in sizes:
-            out[T].append(1000 * timed(lambda: forward(T))[1])
-    return out
+    return lambda: {T: 1000 * timed(lambda: forward(T))[1] for T in sizes}
 
 
 def _spread(xs, fmt="{:.3g}") -> str:
@@ -397,17 +409,20 @@ class SpeedRun:
     prefill_len: int
 
 
-def speed_runs(model, tok, prompts: dict, ks, n_new: dict, reps: int = 3) -> list:
+def speed_runs(model, tok, prompts: dict, ks, n_new: dict, reps: int = 3, between=None) -> list:
     """For each task, plain ``generate`` (k = 0) and ``speculative_generate`` with prompt lookup at each k, greedy,
     stopping at the end-of-turn token; ``reps`` repetitions, interleaved (every configuration once, then again), each
     timed by ``clock``. Greedy decoding is deterministic, so the tokens and drafts of every repetition are the same
-    (checked); only the times differ."""
+    (checked); only the times differ. ``between``: called before each repetition (``speed_session`` times the
+    forward costs and the prefill there)."""
     from ..generate import generate
     from ..speculate import speculative_generate
 
     generate(model, [prompts[next(iter(prompts))]], 4)  # warm-up
     runs = {}
     for _ in range(reps):
+        if between is not None:
+            between()
         for task, ids in prompts.items():
             for k in [0, *ks]:
                 if k == 0:
@@ -426,16 +441,36 @@ def speed_runs(model, tok, prompts: dict, ks, n_new: dict, reps: int = 3) -> lis
 @torch.no_grad()
 def prefill_ms(model, prompts: dict, runs: int = 3) -> dict:
     """{task: median ms (``clock``) of the forward over the task's prompt into a fresh cache}: the part of a
-    generation that plain and speculative decoding share."""
+    generation that plain and speculative decoding share. Timed as ``generate`` and ``speculative_generate`` run it:
+    the logits of every prompt row (on the code prompt that costs about a fifth more than the last row's alone)."""
     from ..cache import KVCache
 
     out = {}
     for task, ids in prompts.items():
         x = torch.tensor([list(ids)], device=model.device)
-        times = [1000 * timed(lambda: model(x, cache=KVCache.for_model(model, 1, x.shape[1]), logits_to_keep=1))[1]
+        times = [1000 * timed(lambda: model(x, cache=KVCache.for_model(model, 1, x.shape[1])))[1]
                  for _ in range(runs)]
         out[task] = statistics.median(times)
     return out
+
+
+def speed_session(model, tok, prompts: dict, ks, n_new: dict, reps: int = 5, sizes=range(1, 10),
+                  cache_len: int = 128):
+    """``speed_runs`` with the prediction's inputs measured between its repetitions, so that the machine's drift hits
+    them as it hits the runs: before each repetition one forward over each T in ``sizes`` (cache of ``cache_len``)
+    and one prefill per task. Returns (runs, {T: median ms}, {task: median prefill ms})."""
+    sweep = _sweeper(model, list(sizes), cache_len, seed=1)
+    costs, pre = {T: [] for T in sizes}, {task: [] for task in prompts}
+
+    def between():
+        for T, ms in sweep().items():
+            costs[T].append(ms)
+        for task, ms in prefill_ms(model, prompts, runs=1).items():
+            pre[task].append(ms)
+
+    runs = speed_runs(model, tok, prompts, ks, n_new, reps=reps, between=between)
+    return (runs, {T: statistics.median(ms) for T, ms in costs.items()},
+            {task: statistics.median(ms) for task, ms in pre.items()})
 
 
 def transformers_names() -> str:
@@ -535,9 +570,17 @@ def speed_table(runs: list, cost: dict, prefill_ms: dict):
     return pd.DataFrame(rows)
 
 
-def speed_verdicts(runs: list) -> list[str]:
+def chance_separation(n_a: int, n_b: int) -> float:
+    """The probability that the ranges of ``n_a`` and ``n_b`` runs of two configurations that cost the same do not
+    overlap (every run of one below every run of the other, either way): 2 / C(n_a + n_b, n_a). 0.1 for 3 against 3,
+    1/126 for 5 against 5."""
+    return 2 / math.comb(n_a + n_b, n_a)
+
+
+def speed_verdicts(runs: list, min_runs: int = 5) -> list[str]:
     """One line per (task, k): whether the speculative run's per-token times (min–max over the repetitions) separate
-    from plain decoding's; 'not separated' otherwise."""
+    from plain decoding's (``kvlib.stats.separated``); 'not separated' otherwise, and always with fewer than
+    ``min_runs`` runs on either side (with 3 against 3, equal configurations separate one time in ten)."""
     plain = {r.task: r for r in runs if r.k == 0}
     lines = []
     for r in runs:
@@ -546,7 +589,9 @@ def speed_verdicts(runs: list) -> list[str]:
         n, b = len(r.tokens), plain[r.task]
         mine = (1000 * min(r.seconds) / n, 1000 * max(r.seconds) / n)
         base = (1000 * min(b.seconds) / n, 1000 * max(b.seconds) / n)
-        if not separated(mine, base):
+        if min(len(r.seconds), len(b.seconds)) < min_runs:
+            word = f"not separated (fewer than {min_runs} runs)"
+        elif not separated(mine, base):
             word = "not separated"
         else:
             word = "faster than plain" if mine[1] < base[0] else "slower than plain"
@@ -611,6 +656,29 @@ def iid_spread(alpha: float, drafted, n_sims: int = 10_000, seed: int = 0) -> tu
     tpf = (accepted + 1).float().mean(-1)
     lo, hi = torch.quantile(tpf, torch.tensor([0.025, 0.975])).tolist()
     return float(tpf.mean()), lo, hi
+
+
+def zero_steps(drafted, accepted, n_sims: int = 20_000, seed: int = 0) -> dict:
+    """Does acceptance come all-or-nothing? Counts the steps that drafted something and accepted nothing, against what
+    independent drafts at the run's alpha expect: m (1 - alpha) of the m drafting steps. Two tail probabilities of
+    seeing that many or more: ``exact``, the binomial at the measured alpha; ``simulated``, ``n_sims`` runs of these
+    steps under independence, each run's alpha re-estimated from its own steps (alpha comes from the same steps), the
+    statistic being the zero-steps in excess of what the run's own alpha expects."""
+    acc, checked = _alpha_counts(drafted, accepted)
+    alpha = acc / checked
+    d = torch.tensor([x for x in drafted if x > 0])
+    m = len(d)
+    observed = sum(a == 0 for a, x in zip(accepted, drafted) if x > 0)
+    exact = sum(math.comb(m, j) * (1 - alpha) ** j * alpha ** (m - j) for j in range(observed, m + 1))
+    g = torch.Generator().manual_seed(seed)
+    ok = torch.rand(n_sims, m, int(d.max()), generator=g) < alpha
+    sim = torch.minimum(ok.int().cumprod(-1).sum(-1), d[None])  # (sims, steps): accepted until the first rejection
+    acc_s = sim.sum(-1).double()
+    a_s = acc_s / (acc_s + (sim < d[None]).sum(-1)).clamp(min=1)
+    excess = (sim == 0).sum(-1) - m * (1 - a_s)
+    simulated = float((excess >= observed - m * (1 - alpha) - 1e-9).double().mean())
+    return {"steps": m, "accepting nothing": observed, "expected": m * (1 - alpha), "alpha": alpha,
+            "exact": exact, "simulated": simulated, "n_sims": n_sims}
 
 
 # --------------------------------------------------------------------------------------------
