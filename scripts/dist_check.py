@@ -1,5 +1,6 @@
-"""Chapter 12a's token-identity checks over NCCL: tensor-parallel and context-parallel greedy decoding against one
-process, on the course's tiny model and on SmolLM2-135M (when its converted copy is on this machine).
+"""Chapter 12a's checks over NCCL: the notebook's first group (``ch12a.hello``, one all-reduce of a tensor on each
+rank's GPU), then tensor-parallel and context-parallel greedy decoding against one process, on the course's tiny
+model and on SmolLM2-135M (when its converted copy is on this machine).
 
     python scripts/dist_check.py            # needs 2 or more CUDA GPUs; skips (exit 0) with a message otherwise
 
@@ -54,7 +55,15 @@ def main() -> int:
     import kvlib  # noqa: F401  (decides the mode first)
     from kvlib.model import load_pretrained, load_tiny
 
+    from kvlib.course import ch12a
+    from kvlib.dist import launch
+
     ok = True
+    n = min(gpus, 3)  # the notebook's first group: one all-reduce of rank + 1 on every rank's GPU
+    hello = launch.run(ch12a.hello, n, backend="nccl", timeout_s=120)
+    same = all(h["sum of rank + 1"] == n * (n + 1) // 2 and h["backend"] == "nccl" for h in hello)
+    ok &= same
+    print(f"hello nccl x{n}: every rank holds the sum {n * (n + 1) // 2}: {same}")
     tiny, tok = load_tiny(device="cpu")
     sizes = [s for s in (2, 4, 8) if s <= gpus]  # the tiny model's 8 heads
     ok &= _runs(tiny, "tiny", tok.encode("The cache holds the keys"), 24, sizes, min(gpus, 4))

@@ -50,7 +50,7 @@ def test_score_mistakes_are_named(tiny):
 FAKE = dict(decode_step=0.004, mixed_step=0.03, prefill_step=0.025, chunks=4, transfer=0.01)
 
 
-@pytest.mark.parametrize("costs", [FAKE, dict(FAKE, transfer=0.2), dict(FAKE, mixed_step=0.2, prefill_step=0.01)])
+@pytest.mark.parametrize("costs", [FAKE, dict(FAKE, transfer=0.02), dict(FAKE, mixed_step=0.2, prefill_step=0.01)])
 def test_decision_rule_and_its_mistakes(costs, capsys):
     cases = ch12b.decision_cases(costs)
     assert lab12b.choice_answers(cases) == ("colocate", "disaggregate", "neither", "neither")
@@ -69,3 +69,8 @@ def test_a_malformed_choice_says_what_is_expected():
     cases = ch12b.decision_cases(FAKE)
     with pytest.raises(ValueError, match="must be one of"):
         ch12b.check_choice_12b(lambda c: "both", cases)
+
+
+def test_a_receipt_slower_than_a_chunk_step_is_refused():
+    with pytest.raises(ValueError, match="receipt"):
+        ch12b.decision_cases(dict(FAKE, transfer=0.05))

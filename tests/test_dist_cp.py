@@ -69,6 +69,7 @@ def test_cp_decoding_is_token_identical_with_the_bytes_of_the_formulas():
         assert {r["cache_bytes"] for r in runs} == {cp.kv_bytes_per_rank(model.config, size, len(prompt) + n)}
         assert {r["gathered_bytes_per_step"] for r in runs} == {cp.allgather_bytes_per_step(model.config, size)}
         assert {r["gathers_per_step"] for r in runs} == {model.config.n_layers}
+        assert all(0 < r["cpu_seconds"] and 0 <= r["collective_seconds"] <= r["seconds"] for r in runs)
     fig = draw_shard.cp_stripes([o[0] for o in out])  # one filled cell per held position, on its rank's row
     assert cells_with(fig, "filled") == held and cells_with(fig, "empty") == (size - 1) * held
     c = model.config

@@ -111,6 +111,16 @@ def test_bad_inputs_name_the_argument(tiny):
         disagg.check_spec(dict(model="tiny", engine={}, requests=[dict(prompt=[1], max_new=2)], damage={0: "lost"}))
     with pytest.raises(ValueError, match="names request 7"):
         disagg.check_spec(dict(model="tiny", engine={}, requests=[dict(prompt=[1], max_new=2)], damage={7: "fail"}))
+    ok = dict(model="tiny", engine={}, requests=[dict(prompt=[1], max_new=2)])
+    for bad, err, what in [(dict(ok, damage={"0": "fail"}), TypeError, "keys must be request indices"),
+                           (dict(ok, damage=[0]), TypeError, r"spec\['damage'\] must be a dict"),
+                           (dict(ok, requests=[[1, 2]]), TypeError, r"spec\['requests'\]\[0\] must be a dict"),
+                           (dict(ok, engine=None), TypeError, r"spec\['engine'\]"),
+                           (dict(ok, model="gpt-9"), ValueError, r"spec\['model'\]"),
+                           (dict(ok, requests=[dict(prompt=[1], max_new=True)]), TypeError, "got bool"),
+                           (dict(ok, requests=[dict(prompt=[1, -2], max_new=2)]), TypeError, r"ints >= 0")]:
+        with pytest.raises(err, match=what):
+            disagg.check_spec(bad)
     with pytest.raises(ValueError, match="damage must be"):
         disagg.send_request(1, 0, 0, [1], 1, 2, [0], torch.zeros(1), torch.zeros(1), damage="lost")
     _, k, v = _gathered(tiny)
@@ -143,3 +153,20 @@ def test_the_transfer_picture_counts_the_real_blocks(launched):
     # the prefill pool is reused by later requests: a block shows the last transferred request that held it
     assert cells_with(fig, "filled") == len({b for i in moved for b in sent["sent"][i]["table"]})
     plt.close(fig)
+
+
+def test_itl_rows_count_each_step_once_and_verdicts_need_separated_ranges():
+    from kvlib.course import ch12b
+
+    # two decodes that emit in the same steps (one gap per step), one long prompt
+    dec = dict(kind="decode", arrival=0.0, times=[1.0, 1.1, 1.5], cpu=[0.0, 0.01, 0.03], step_prefill=[0, 0, 128],
+               received=[0, 0, 0])
+    recs = [dec, dict(dec), dict(kind="long", arrival=0.2, times=[0.5, 0.9], cpu=[], step_prefill=[], received=[])]
+    row = ch12b.itl_trial_row(recs)
+    assert row["step gaps"] == 2 and row["CPU gap worst ms"] == pytest.approx(20.0)
+    assert row["wall gap worst ms"] == pytest.approx(400.0) and row["gaps with prefill in the step"] == 0.5
+    assert row["long TTFT median ms"] == pytest.approx(300.0)
+    assert row["long first -> next token median ms"] == pytest.approx(400.0)
+    assert ch12b.verdict({"colocated": (3, 4), "disaggregated": (1, 2)}) == "colocated higher"
+    assert ch12b.verdict({"colocated": (1, 2), "disaggregated": (3, 4)}) == "disaggregated higher"
+    assert ch12b.verdict({"colocated": (1, 3), "disaggregated": (2, 4)}) == "not separated"

@@ -141,6 +141,9 @@ def test_bad_arguments_name_the_argument(monkeypatch):
     in_notebook.__module__ = "__main__"
     with pytest.raises(ValueError, match="notebook"):
         launch.run(in_notebook, 2)
+    notebook_main.__file__ = "<stdin>"  # `python - < script.py`: a __file__ spawn cannot re-import
+    with pytest.raises(ValueError, match="read from <stdin>"):
+        launch.run(in_notebook, 2)
 
 
 def test_a_taken_port_is_reported(monkeypatch):
@@ -151,6 +154,9 @@ def test_a_taken_port_is_reported(monkeypatch):
         monkeypatch.setenv("KVLIB_DIST_PORT", str(port))
         with pytest.raises(RuntimeError, match=f"port {port} .* is taken"):
             launch.run(_sum_and_facts, 2)
+    monkeypatch.setenv("KVLIB_DIST_PORT", "70000")
+    with pytest.raises(ValueError, match="between 1 and 65535, got 70000"):
+        launch.run(_sum_and_facts, 2)
     monkeypatch.setenv("KVLIB_DIST_PORT", "http")
     with pytest.raises(ValueError, match="KVLIB_DIST_PORT must be a port number"):
         launch.run(_sum_and_facts, 2)
@@ -182,3 +188,23 @@ def test_ranks_leave_when_the_parent_is_killed(tmp_path):
             parent.kill()
         for pid in _gone(tmp_path, 2)[1]:  # never leave one behind, even when the test fails
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_function_spawn_cannot_import_is_named(tmp_path):
+    """A script's rank function defined under its `if __name__ == "__main__"`: the ranks die while spawn unpickles
+    it, before they run anything; the error says so (not "killed, out of memory")."""
+    import subprocess
+
+    script = tmp_path / "under_guard.py"
+    script.write_text("from kvlib.dist import launch\n"
+                      "if __name__ == '__main__':\n"
+                      "    def f(rank, ws):\n"
+                      "        return rank\n"
+                      "    try:\n"
+                      "        launch.run(f, 2, timeout_s=60)\n"
+                      "    except launch.RankFailed as e:\n"
+                      "        print('RankFailed:', e)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "RankFailed:" in done.stdout, done.stdout + done.stderr
+    assert "before it could run fn" in done.stdout and "out of memory" not in done.stdout

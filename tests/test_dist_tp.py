@@ -24,7 +24,7 @@ def test_plan_follows_vllms_rule_on_smollm2_heads():
         with pytest.raises(ValueError, match=rf"Total number of attention heads \(9\) must be divisible by "
                                              rf"tensor parallel size \({bad}\)\."):
             tp.plan(SMOLLM2, bad)
-    with pytest.raises(ValueError, match="multiple of the K/V heads"):  # 12 query heads, 8 K/V heads, tp 6
+    with pytest.raises(ValueError, match="multiple of the K/V heads"):  # 24 query heads, 8 K/V heads, tp 12
         tp.plan(ModelConfig(n_heads=24, n_kv_heads=8, dim=768, hidden_dim=1536), 12)
     with pytest.raises(ValueError, match="tp must be an int"):
         tp.plan(SMOLLM2, 0)
@@ -72,6 +72,9 @@ def test_tp_decoding_is_token_identical_with_the_bytes_of_the_formula(which, siz
     p = tp.plan(model.config, size)
     assert [o["kv_heads"] for o in out] == list(p.kv_heads) and [o["q_heads"] for o in out] == list(p.q_heads)
     assert {o["all_reduces"] for o in out} == {2 * model.config.n_layers * n}  # one forward per new token
+    # per decode step: 2 per layer, each of the one new token's (B=1, T=1, C) fp32 partial sums
+    assert {o["all_reduce_bytes_per_step"] for o in out} == {2 * model.config.n_layers * model.config.dim * 4}
+    assert all(0 < o["cpu_seconds"] and 0 <= o["collective_seconds"] <= o["seconds"] for o in out)
     assert out[0]["cache_shape"][1] == len(p.kv_heads[0])
     fig = draw_shard.tp_heads(out, model.config)  # the picture counts what the ranks' caches hold
     assert cells_with(fig, "filled") == sum(o["cache_shape"][1] for o in out) == sum(len(h) for h in p.kv_heads)

@@ -37,7 +37,9 @@ def hello(rank: int, world_size: int) -> dict:
     """Rank function: who am I, which backend, how many threads, and one all-reduce of (rank + 1)."""
     import torch.distributed as dist
 
-    t = torch.tensor([float(rank + 1)])
+    from ..dist.launch import rank_device
+
+    t = torch.tensor([float(rank + 1)], device=rank_device())  # NCCL reduces GPU tensors only
     dist.all_reduce(t)  # the sum over ranks, the same on every rank afterwards
     return {"rank": dist.get_rank(), "of": dist.get_world_size(), "backend": dist.get_backend(),
             "torch threads": torch.get_num_threads(), "sum of rank + 1": int(t.item()),
@@ -80,19 +82,21 @@ def mlp_split(mlp, x: torch.Tensor, tp: int):
 
 
 def tp_rule_table(config, sizes, seq_len: int, dtype=torch.float32):
-    """One row per tp: allowed by the heads? by the MLP width? (the refusal in vLLM's words), K/V heads per rank,
-    copies of each K/V head, cache bytes per rank and in the whole group for one sequence of ``seq_len``."""
+    """One row per tp: allowed by the heads? by the MLP width? K/V heads per rank, copies of each K/V head, cache
+    bytes per rank and in the whole group for one sequence of ``seq_len``. The refusals, in vLLM's words, are in the
+    table's ``attrs["refusals"]`` ({tp: message}): a column too narrow to show them whole would cut them."""
     import pandas as pd
 
     from ..dist import tp as tpm
 
-    rows = []
+    rows, refusals = [], {}
     for n in sizes:
         row = {"tp": n}
         try:
             p = tpm.plan(config, n, mlp=False)
         except ValueError as e:
-            rows.append({**row, "heads allow it": "no: " + str(e), "MLP width allows it": "", "K/V heads per rank": "",
+            refusals[n] = str(e)
+            rows.append({**row, "heads allow it": "no", "MLP width allows it": "", "K/V heads per rank": "",
                          "copies of each K/V head": "", "cache bytes per rank": "", "cache bytes, whole group": ""})
             continue
         try:
@@ -104,7 +108,9 @@ def tp_rule_table(config, sizes, seq_len: int, dtype=torch.float32):
         rows.append({**row, "heads allow it": "yes", "MLP width allows it": mlp_ok,
                      "K/V heads per rank": len(p.kv_heads[0]), "copies of each K/V head": p.kv_replicas,
                      "cache bytes per rank": _bytes(per_rank), "cache bytes, whole group": _bytes(per_rank * n)})
-    return pd.DataFrame(rows, dtype=object).set_index("tp")
+    table = pd.DataFrame(rows, dtype=object).set_index("tp")
+    table.attrs["refusals"] = refusals
+    return table
 
 
 def tp_bytes_table(results, config):
@@ -116,21 +122,23 @@ def tp_bytes_table(results, config):
     tp = len(results)
     rows = [{"rank": r["rank"], "query heads": list(r["q_heads"]), "K/V heads cached": list(r["kv_heads"]),
              "cache buffer (B, H_KV, S_max, D)": tuple(r["cache_shape"]), "cache bytes (measured)": r["cache_bytes"],
-             "formula": tpm.kv_bytes_per_rank(config, tp, r["max_len"]), "all-reduces": r["all_reduces"]}
+             "formula": tpm.kv_bytes_per_rank(config, tp, r["max_len"]), "all-reduces": r["all_reduces"],
+             "all-reduce bytes / decode step": r["all_reduce_bytes_per_step"]}
             for r in results]
     return pd.DataFrame(rows).set_index("rank")
 
 
 def one_process(model, prompt, n):
-    """Greedy tokens and wall seconds of the same decoding in this one process (kvlib.generate with a KVCache)."""
+    """Greedy tokens of the same decoding in this one process (kvlib.generate with a KVCache), and its timings:
+    {"seconds": wall, "cpu_seconds": CPU time of this thread}."""
     import time
 
     from ..generate import generate
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     with torch.no_grad():
         tokens = generate(model, [prompt], n)[0].tolist()
-    return tokens, time.perf_counter() - t0
+    return tokens, {"seconds": time.perf_counter() - t0, "cpu_seconds": time.thread_time() - c0}
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,15 +193,27 @@ def cp_scaling_table(config, cp: int, lengths, dtype=torch.float32):
     return pd.DataFrame(rows).set_index("sequence length")
 
 
-def time_table(n_tokens: int, one_s: float, runs: dict):
-    """Decoding wall time per new token: one process, and each launched run (the slowest rank's, since every
-    rank waits for the others at each collective). runs: {name: launch results}."""
+def time_table(n_tokens: int, one: dict, runs: dict):
+    """Per new token: the decoding's wall time (a launched run's slowest rank, since every rank waits for the others
+    at each collective), the CPU time of the thread that ran the model (each rank's, lowest to highest), and the wall
+    time spent inside the collectives (waiting + transfer; lowest to highest). one: ``one_process``'s timings;
+    runs: {name: launch results}."""
     import pandas as pd
 
-    rows = [{"run": "one process", "processes": 1, "ms per token": 1e3 * one_s / n_tokens}]
+    def ms(seconds):
+        return round(1e3 * seconds / n_tokens, 1)
+
+    def span(values):
+        lo, hi = ms(min(values)), ms(max(values))
+        return f"{lo} to {hi}" if lo != hi else f"{lo}"
+
+    rows = [{"run": "one process", "processes": 1, "wall ms per token": ms(one["seconds"]),
+             "CPU ms per token, each rank": f"{ms(one['cpu_seconds'])}", "ms per token inside collectives": "none"}]
     for name, res in runs.items():
-        rows.append({"run": name, "processes": len(res), "ms per token": 1e3 * max(r["seconds"] for r in res) / n_tokens})
-    return pd.DataFrame(rows).set_index("run").round(1)
+        rows.append({"run": name, "processes": len(res), "wall ms per token": ms(max(r["seconds"] for r in res)),
+                     "CPU ms per token, each rank": span([r["cpu_seconds"] for r in res]),
+                     "ms per token inside collectives": span([r["collective_seconds"] for r in res])})
+    return pd.DataFrame(rows).set_index("run")
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ def stripe(rank: int, cp: int, seq_len: int) -> list[int]:
 
 def merge_ref(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Chapter 03's merge in PyTorch: partials (N, SPLITS, D) with their log-sum-exps (N, SPLITS), natural
-    log, -inf for an empty split -> (N, D) = sum_s exp(lse_s - m) part_s / sum_s exp(lse_s - m), m = max_s lse_s."""
+    log, -inf for an empty split -> (N, D) = sum_s exp(lse_s - m) part_s / sum_s exp(lse_s - m), m = max_s lse_s.
+    At least one split of each row must be non-empty (all empty gives NaN; ``StripedCache`` stores the new token
+    before anyone attends, so it never happens there)."""
     m = lse.max(dim=1, keepdim=True).values  # (N, 1): every exponent below is <= 0, nothing overflows
     w = torch.exp(lse - m)  # (N, SPLITS): each split's share of the row's softmax sum (0 for an empty split)
     return (w[..., None] * part).sum(1) / w.sum(1, keepdim=True)
@@ -114,6 +116,7 @@ class StripedCache:
         self.max_len = max_len
         self.gathered_bytes = 0  # bytes this rank received from the others in all-gathers (measured on the tensors)
         self.gathers = 0
+        self.gather_seconds = 0.0  # wall time inside all_gather: waiting for the peers + the transfer
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
@@ -151,7 +154,9 @@ class StripedCache:
         mine = torch.cat([part, lse[..., None]], dim=-1).contiguous()  # (B, H, D + 1): one collective per layer
         if self.cp > 1:
             parts = [torch.empty_like(mine) for _ in range(self.cp)]
+            t0 = time.perf_counter()
             dist.all_gather(parts, mine, group=self.group)
+            self.gather_seconds += time.perf_counter() - t0
             self.gathered_bytes += mine.nbytes * (self.cp - 1)
             self.gathers += 1
         else:
@@ -195,8 +200,10 @@ def generate_cp(rank: int, world_size: int, model: Transformer, prompt: list[int
                 kernels=None) -> dict:
     """Rank function for ``launch.run``: greedy decoding with the sequence striped over ``world_size`` ranks.
 
-    Returns the new tokens (as ``kvlib.generate.generate`` does), the positions this rank held, its cache bytes, and the all-gather bytes it
-    received per decode step (measured on the tensors it gathered)."""
+    Returns the new tokens (as ``kvlib.generate.generate`` does), the positions this rank held, its cache bytes, the
+    all-gather bytes it received per decode step (measured on the tensors it gathered), and three timings of the
+    decoding: wall seconds, the CPU seconds of the thread that ran the model (``time.thread_time``), and the wall
+    seconds spent inside the all-gathers (waiting for the peers + the transfer; under NCCL only the launch)."""
     from .launch import rank_device
 
     model = model.to(rank_device())  # its GPU under NCCL (a copy per rank); on the CPU the shared weights
@@ -204,10 +211,11 @@ def generate_cp(rank: int, world_size: int, model: Transformer, prompt: list[int
     cache = StripedCache(model, batch=1, max_len=max_len, rank=rank, cp=world_size, kernels=kernels)
     if dist.is_initialized():
         dist.barrier()  # time the decoding alone
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     new = greedy(model, prompt, max_new_tokens, cache)
-    seconds = time.perf_counter() - t0
-    steps = max(1, max_new_tokens - 1)  # decode steps that ran (the first token comes from the prefill)
-    return {"rank": rank, "seconds": seconds, "tokens": new, "positions": cache.positions(), "cache_bytes": cache.nbytes(),
+    seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
+    steps = max(1, cache.gathers // model.config.n_layers)  # steps that gathered (a 1-token prompt's prefill too)
+    return {"rank": rank, "seconds": seconds, "cpu_seconds": cpu_seconds, "collective_seconds": cache.gather_seconds,
+            "tokens": new, "positions": cache.positions(), "cache_bytes": cache.nbytes(),
             "max_len": max_len, "gathered_bytes_per_step": cache.gathered_bytes // steps,
             "gathers_per_step": cache.gathers // steps}

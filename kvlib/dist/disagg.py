@@ -14,7 +14,9 @@ What you will learn:
 - a transfer can fail (the sender says so: status "failed") or arrive damaged (the checksum of the K/V bytes
   differs): the decode worker then *recomputes* the prompt itself, so no request is lost and the tokens are the same;
 - the receiver keeps decoding while it waits: it polls for the next header between its steps (on the process group's
-  key-value store, a control channel that can be asked without blocking) and receives the blocks only then.
+  key-value store, a control channel that can be asked without blocking) and receives the blocks only then. That
+  receive blocks the decode worker between two steps (a simplification: vLLM's NIXL connector reads the blocks
+  asynchronously to the decode steps).
 
 Shapes: a pool (num_blocks, block_size, H_KV, D) per layer; a transfer's K and V (n_layers, n_blocks, block_size,
 H_KV, D). The worker functions run under ``kvlib.dist.launch.run`` (one process per rank, gloo on a CPU).
@@ -34,12 +36,14 @@ from ..engine import Engine
 from ..paged import PagedKVCache
 
 __all__ = ["HEADER", "OK", "FAILED", "DAMAGES", "gather_blocks", "install_blocks", "checksum", "adopt", "send_request",
-           "recv_request", "post_header", "poll_header", "disagg_worker", "itl_worker", "bench_worker", "WHY_FAILED", "WHY_DAMAGED", "check_spec", "load_model", "block_bytes"]
+           "recv_request", "post_header", "poll_header", "disagg_worker", "itl_worker", "itl_trials_worker",
+           "bench_worker", "WHY_FAILED", "WHY_DAMAGED", "check_spec", "load_model", "block_bytes", "MODELS"]
 
 HEADER = ("kind", "request", "n_prompt", "first_token", "max_new", "n_blocks", "checksum", "status")
 MORE, DONE = 1, 0  # header kind: a request follows / no more requests
 OK, FAILED = 0, 1  # header status: blocks follow / the transfer failed, nothing follows
 DAMAGES = ("corrupt", "fail")
+MODELS = ("tiny", "smollm2-135m-instruct")  # the names ``load_model`` knows
 WHY_FAILED, WHY_DAMAGED = "the sender reported a failed transfer", "checksum mismatch: the blocks arrived damaged"  # injected faults: K/V changed in transit after the checksum / a failed transfer
 
 
@@ -93,6 +97,8 @@ def adopt(engine: Engine, prompt, first_token: int, max_new_tokens: int, k, v) -
     """Hand a transferred request to the decode worker's engine: its prompt's K/V (``k``, ``v`` as received) and its
     first token. The engine admits it as it admits a swapped-out request (``install_blocks``'s ``swap_in``: into
     its own free blocks, when they fit) and decodes from there. Returns the engine's request id."""
+    if max_new_tokens < 2:  # checked before the engine is touched
+        raise ValueError("max_new_tokens must be >= 2 for a transferred request: the prefill worker made the first")
     rid = engine.add_request(prompt, max_new_tokens)  # the same checks as any request
     r = engine.requests[rid]
     engine.waiting.remove(r)
@@ -100,8 +106,6 @@ def adopt(engine: Engine, prompt, first_token: int, max_new_tokens: int, k, v) -
     r.computed, r.state = len(r.prompt), "swapped"
     r.host = [(k[layer], v[layer]) for layer in range(k.shape[0])]  # swap_in's format: per layer (k, v)
     r.first_token_step, r.first_token_time = engine.clock, time.perf_counter()
-    if len(r.output) >= r.max_new_tokens:
-        raise ValueError("max_new_tokens must be >= 2 for a transferred request: the prefill worker made the first")
     bisect.insort(engine.swapped, r, key=lambda q: q.id)
     return rid
 
@@ -116,20 +120,21 @@ def adopt(engine: Engine, prompt, first_token: int, max_new_tokens: int, k, v) -
 # metadata on a side channel and moves the bytes on its data plane; Mooncake keeps a metadata service.
 
 
-def _store():
+def _store(channel: str = ""):
     from torch.distributed import PrefixStore, distributed_c10d
 
-    return PrefixStore("kvlib.disagg/", distributed_c10d._get_default_store())
+    return PrefixStore("kvlib.disagg/" + channel, distributed_c10d._get_default_store())
 
 
-def post_header(seq: int, header) -> None:
-    """Put message ``seq``'s header (a list of ints, ``HEADER``'s fields) on the control channel."""
-    _store().set(str(seq), ",".join(str(int(x)) for x in header))
+def post_header(seq: int, header, channel: str = "") -> None:
+    """Put message ``seq``'s header (a list of ints, ``HEADER``'s fields) on the control channel (``channel``: a name
+    that keeps one run's messages apart from another's in the same process group)."""
+    _store(channel).set(str(seq), ",".join(str(int(x)) for x in header))
 
 
-def poll_header(seq: int):
+def poll_header(seq: int, channel: str = ""):
     """Message ``seq``'s header as an int64 tensor if it has arrived, else None (never blocks)."""
-    store = _store()
+    store = _store(channel)
     if not store.check([str(seq)]):
         return None
     return torch.tensor([int(x) for x in store.get(str(seq)).decode().split(",")], dtype=torch.int64)
@@ -141,7 +146,7 @@ def poll_header(seq: int):
 
 
 def send_request(dst: int, seq: int, index: int, prompt, first_token: int, max_new: int, table, k, v,
-                 damage=None) -> dict:
+                 damage=None, channel: str = "") -> dict:
     """Send one request's prefill to rank ``dst`` as message number ``seq``: the header on the control channel
     (``post_header``: the fields, the prompt, the sender's table), then K and V stacked in one tensor with
     ``torch.distributed.send``. ``damage``: None, "corrupt" (one value changed after the checksum was taken: damage
@@ -153,7 +158,7 @@ def send_request(dst: int, seq: int, index: int, prompt, first_token: int, max_n
     status = FAILED if damage == "fail" else OK
     header = [MORE, index, len(prompt), first_token, max_new, len(table), checksum(k, v), status]
     header += list(prompt) + (list(table) if status == OK else [])  # the receiver needs the prompt either way
-    post_header(seq, header)
+    post_header(seq, header, channel)
     sent = 8 * len(header)
     if status == OK:
         kv = torch.stack([k, v])  # one message for both: every send is a hand-off between the two processes
@@ -184,20 +189,38 @@ def recv_request(header, src: int, block_shape, dtype) -> dict:
 
 
 def check_spec(spec: dict) -> dict:
-    """The worker spec, checked in the parent before any process starts (clear errors naming the field)."""
+    """The worker spec, checked in the parent before any process starts (clear errors naming the field): the model
+    name, the engine's settings (a dict), each request (a dict: a non-empty list of int token ids >= 0, an int
+    ``max_new``), the damage (a dict {request index: "corrupt" | "fail"}). A token id beyond the model's vocabulary
+    is only caught by the engine inside the worker (the parent does not load the model)."""
     if not isinstance(spec, dict):
         raise TypeError(f"spec must be a dict, got {type(spec).__name__}")
     for key in ("model", "requests", "engine"):
         if key not in spec:
             raise ValueError(f"spec needs {key!r}")
+    if spec["model"] not in MODELS:
+        raise ValueError(f"spec['model'] must be one of {MODELS}, got {spec['model']!r}")
+    if not isinstance(spec["engine"], dict):
+        raise TypeError(f"spec['engine'] must be a dict of Engine settings, got {type(spec['engine']).__name__}")
     reqs = spec["requests"]
     if not isinstance(reqs, list) or not reqs:
         raise ValueError("spec['requests'] must be a non-empty list of {'prompt', 'max_new'} dicts")
     for i, r in enumerate(reqs):
-        if not isinstance(r.get("prompt"), list) or not r["prompt"]:
-            raise TypeError(f"spec['requests'][{i}]['prompt'] must be a non-empty list of token ids")
+        if not isinstance(r, dict):
+            raise TypeError(f"spec['requests'][{i}] must be a dict with 'prompt' and 'max_new', got {type(r).__name__}")
+        p = r.get("prompt")
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                      for t in p):
+            raise TypeError(f"spec['requests'][{i}]['prompt'] must be a non-empty list of token ids (ints >= 0)")
+        if isinstance(r.get("max_new"), bool):
+            raise TypeError(f"spec['requests'][{i}]['max_new'] must be an int, got bool {r['max_new']!r}")
         check_int(f"spec['requests'][{i}]['max_new']", r.get("max_new"), minimum=2 if not r.get("local") else 1)
-    for i, how in dict(spec.get("damage", {})).items():
+    damage = spec.get("damage", {})
+    if not isinstance(damage, dict):
+        raise TypeError(f"spec['damage'] must be a dict {{request index: one of {DAMAGES}}}, got {type(damage).__name__}")
+    for i, how in damage.items():
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"spec['damage'] keys must be request indices (ints), got {i!r}")
         if how not in DAMAGES:
             raise ValueError(f"spec['damage'][{i}] must be one of {DAMAGES}, got {how!r}")
         if not 0 <= i < len(reqs):
@@ -211,11 +234,11 @@ def check_spec(spec: dict) -> dict:
 
 
 def _step_and_record(engine, ids_back, out, now, received=0):
-    """One engine step; each emitted token's wall time (``now()``), this thread's CPU time (``time.thread_time``:
-    what the worker computed, which a busy machine does not stretch), the step's prefill tokens and the blocks
-    received since the previous step go into its request's record."""
+    """One engine step; each emitted token's wall time (``now()``), this process's CPU time (``time.process_time``:
+    what the worker computed, gloo's receiving thread included, which a busy machine does not stretch), the step's
+    prefill tokens and the blocks received since the previous step go into its request's record."""
     ev = engine.step()
-    t, cpu = now(), time.thread_time()
+    t, cpu = now(), time.process_time()
     for rid, toks in ev["emitted"].items():
         i = ids_back[rid]
         n = len(toks)
@@ -233,13 +256,13 @@ def disagg_worker(rank: int, world_size: int, spec: dict):
     that starts on rank 1 and is never transferred)}], ``spec["damage"]``: {request index: "corrupt" | "fail"}).
 
     Returns, rank 0: {"sent": {index: {"bytes", "seconds", "n_blocks", "table"}}}; rank 1: {"out": {index: {"tokens",
-    "times", "how" ("transfer", "recompute" or "local"), "table" (the receiver's), "recv_s", "why"}}}. Times are
-    ``time.perf_counter()``, one clock for every process on a machine (CLOCK_MONOTONIC on Linux)."""
+    "times", "how" ("transfer", "recompute" or "local"), "table" (the receiver's), "recv_s" (wall), "recv_cpu"
+    (process CPU: receive, checksum, hand-over), "why"}}}. Times are ``time.perf_counter()``, one clock for every process on a machine (CLOCK_MONOTONIC on Linux)."""
     if world_size != 2:
         raise ValueError(f"disagg_worker runs on 2 ranks (prefill, decode), got world_size={world_size}")
     model = load_model(spec["model"])
     engine = Engine(model, **spec["engine"])
-    reqs, damage = spec["requests"], dict(spec.get("damage", {}))
+    reqs, damage, channel = spec["requests"], dict(spec.get("damage", {})), spec.get("channel", "")
     t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
     dist.broadcast(t0, 0)  # one start for both ranks
     start = float(t0)
@@ -260,10 +283,10 @@ def disagg_worker(rank: int, world_size: int, spec: dict):
                 i = ids_back[rid]
                 table, k, v = gather_blocks(engine.cache, rid)
                 sent[i] = send_request(1, len(sent), i, reqs[i]["prompt"], out[i]["tokens"][0], reqs[i]["max_new"], table, k, v,
-                                       damage.get(i)) | {"table": table, "first_time": out[i]["times"][0],
+                                       damage.get(i), channel) | {"table": table, "first_time": out[i]["times"][0],
                                                          "arrival": out[i]["arrival"]}
                 engine.abort(rid)  # its blocks go back; full ones stay in this worker's prefix cache
-        post_header(len(sent), [DONE] + [0] * (len(HEADER) - 1))
+        post_header(len(sent), [DONE] + [0] * (len(HEADER) - 1), channel)
         return {"sent": sent}
     c = model.config
     block_shape = (c.n_layers, engine.config.block_size, c.n_kv_heads, c.head_dim)
@@ -273,13 +296,13 @@ def disagg_worker(rank: int, world_size: int, spec: dict):
             _, i = arrivals.pop(0)
             ids_back[engine.add_request(reqs[i]["prompt"], reqs[i]["max_new"])] = i
             out[i].update(how="local", table=None, recv_s=None, why=None)
-        header = poll_header(seq) if receiving else None
+        header = poll_header(seq, channel) if receiving else None
         if header is not None:
             seq += 1
             if int(header[0]) == DONE:
                 receiving = False
             else:
-                t = time.perf_counter()
+                t, c0 = time.perf_counter(), time.process_time()
                 msg = recv_request(header, 0, block_shape, model.dtype)
                 received += len(msg["table"] or [])
                 i = msg["index"]
@@ -291,6 +314,7 @@ def disagg_worker(rank: int, world_size: int, spec: dict):
                     rid = engine.add_request(msg["prompt"], msg["max_new"])
                     out[i]["how"] = "recompute"
                 ids_back[rid] = i
+                out[i]["recv_cpu"] = time.process_time() - c0  # receive, checksum, handing it to the engine
         if engine.has_unfinished():
             ev = _step_and_record(engine, ids_back, out, time.perf_counter, received)
             received = 0
@@ -334,23 +358,32 @@ def itl_worker(rank: int, world_size: int, spec: dict):
     return {"out": out}
 
 
+def itl_trials_worker(rank: int, world_size: int, spec: dict):
+    """Several ``itl_worker`` runs in one launch (no process start between them): ``spec["trials"]``, a list of
+    ``itl_worker`` specs (modes interleaved by the caller), run in order, the ranks meeting at a barrier before each;
+    each trial's headers on a channel of its own. Returns this rank's results, one per trial."""
+    results = []
+    for t, sub in enumerate(spec["trials"]):
+        dist.barrier()
+        results.append(itl_worker(rank, world_size, dict(sub, channel=f"trial{t}/")))
+    return results
+
+
 def bench_worker(rank: int, world_size: int, spec: dict):
-    """Time the wire alone: for each n in ``spec["blocks"]``, ``spec["repeats"]`` times, both ranks meet at a barrier,
-    then rank 0 sends K and V of n blocks (every layer of ``spec["model"]``'s shape) and rank 1 receives them.
-    Returns, rank 1: {n: (bytes, [seconds per repeat, as rank 1 waited for them])}; rank 0: None."""
+    """Time the wire alone: ``spec["repeats"]`` rounds; in each, for every n in ``spec["blocks"]`` (the sizes
+    interleaved, so a busy moment of the machine falls on all of them), both ranks meet at a barrier, then rank 0
+    sends K and V of n blocks stacked in one tensor, as ``send_request`` does (every layer of ``spec["model"]``'s
+    shape), and rank 1 receives it. Returns, rank 1: {n: (bytes, [seconds per repeat, as rank 1 waited for them])};
+    rank 0: None."""
     model = load_model(spec["model"])
     c, bs = model.config, check_int("block_size", spec["block_size"])
-    times = {}
-    for n in spec["blocks"]:
-        n = check_int("blocks entry", n)
-        k = torch.randn(c.n_layers, n, bs, c.n_kv_heads, c.head_dim, dtype=model.dtype)
-        v = torch.randn_like(k)
-        secs = []
-        for _ in range(check_int("repeats", spec["repeats"])):
+    sizes = [check_int("blocks entry", n) for n in spec["blocks"]]
+    kvs = {n: torch.randn(2, c.n_layers, n, bs, c.n_kv_heads, c.head_dim, dtype=model.dtype) for n in sizes}
+    times = {n: (kvs[n].nbytes, []) for n in sizes}
+    for _ in range(check_int("repeats", spec["repeats"])):
+        for n in sizes:
             dist.barrier()
             t = time.perf_counter()
-            for x in (k, v):
-                dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
-            secs.append(time.perf_counter() - t)
-        times[n] = (k.nbytes + v.nbytes, secs)
+            dist.send(kvs[n], 1) if rank == 0 else dist.recv(kvs[n], 0)
+            times[n][1].append(time.perf_counter() - t)
     return times if rank == 1 else None

@@ -90,7 +90,12 @@ def _check_importable(fn) -> None:
         import sys
 
         main = sys.modules.get("__main__")
-        if getattr(main, "__file__", None) is None:
+        main_file = getattr(main, "__file__", None)
+        if main_file is not None and not os.path.isfile(main_file):  # `python - < script.py`: __file__ is "<stdin>"
+            raise ValueError(f"fn={name} is defined in a script read from {main_file} (module __main__): spawn starts "
+                             f"fresh interpreters that re-import the script from its file, and there is none. Save it "
+                             f"as a .py file and run that, or put fn in an importable module")
+        if main_file is None:
             raise ValueError(f"fn={name} is defined in a notebook or an interactive session (module __main__): "
                              f"spawn starts fresh interpreters that cannot import it. Put it in a .py module "
                              f"(the chapter's are in kvlib/course/) and import it from there")
@@ -130,6 +135,8 @@ def _open_store(world_size: int, timeout_s: float):
             port = int(wanted)
         except ValueError:
             raise ValueError(f"KVLIB_DIST_PORT must be a port number, got {wanted!r}") from None
+        if not 1 <= port <= 65535:
+            raise ValueError(f"KVLIB_DIST_PORT must be a port number between 1 and 65535, got {port}")
         try:
             return dist.TCPStore(HOST, port, world_size + 1, True, timeout=timeout, wait_for_workers=False)
         except Exception as e:
@@ -159,7 +166,9 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
-    """One rank: join the group, run fn, send back ("ok", pickled result) or ("error", traceback text)."""
+    """One rank: say it started, join the group, run fn, send back ("ok", pickled result) or ("error", traceback
+    text)."""
+    conn.send(("started", None))  # spawn got this far: it imported fn and the parent's script (if any)
     _exit_with_parent(parent)
     import torch
 
@@ -235,6 +244,7 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
             readers[reader] = rank
         deadline = time.monotonic() + timeout_s
         pending = dict(readers)  # reader -> rank, for the ranks that have not answered
+        started: set[int] = set()  # ranks whose process got as far as running _worker
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -245,11 +255,22 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
                 rank = pending.pop(reader)
                 try:
                     status, payload = reader.recv()
-                except (EOFError, OSError):  # the process died without a word (killed, segfault, os._exit)
+                except (EOFError, OSError):  # the process died without a word
                     procs[rank].join(1.0)
-                    raise RankFailed(rank, world_size, fn_name,
+                    if rank not in started:  # before _worker ran: spawn's own start-up failed
+                        raise RankFailed(rank, world_size, fn_name,
+                                         f"the process ended (exit code {procs[rank].exitcode}) before it could run "
+                                         f"fn: spawn could not import fn, or re-ran your script's top level. Define fn "
+                                         f"at the top level of an importable module (not under `if __name__ == "
+                                         f"'__main__'`) and put the launch under `if __name__ == '__main__'`; the "
+                                         f"rank's stderr above shows the cause") from None
+                    raise RankFailed(rank, world_size, fn_name,  # killed, segfault, os._exit
                                      f"the process exited (exit code {procs[rank].exitcode}) without returning or "
                                      f"raising: killed, out of memory, or a crash in native code") from None
+                if status == "started":
+                    started.add(rank)
+                    pending[reader] = rank  # wait for its answer
+                    continue
                 if status == "error":
                     raise RankFailed(rank, world_size, fn_name, payload)
                 results[rank] = pickle.loads(payload)

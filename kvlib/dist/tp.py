@@ -104,12 +104,22 @@ class RowParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)  # added once, after the sum
         self.group = group
         self.calls = 0  # all-reduces run (the notebook counts them per token)
+        self.bytes = 0  # payload all-reduced (the tensor's bytes, not what a ring moves on the wire)
+        self.decode_bytes = 0  # the same, for one-token forwards only (decode steps)
+        self.decode_calls = 0
+        self.seconds = 0.0  # wall time inside all_reduce: waiting for the peers + the transfer
 
     def forward(self, x):
         y = F.linear(x, self.weight)  # this rank's partial sum
         if dist.is_initialized():
+            t0 = time.perf_counter()
             dist.all_reduce(y, group=self.group)  # every rank ends with the same bits
+            self.seconds += time.perf_counter() - t0
             self.calls += 1
+            self.bytes += y.nbytes
+            if y.shape[-2] == 1:
+                self.decode_bytes += y.nbytes
+                self.decode_calls += 1
         return y if self.bias is None else y + self.bias
 
 
@@ -160,10 +170,22 @@ def all_reduce_count(model: Transformer) -> int:
     return sum(m.calls for m in model.modules() if isinstance(m, RowParallelLinear))
 
 
+def all_reduce_stats(model: Transformer) -> dict:
+    """What this rank's all-reduces carried and cost so far: calls, payload bytes (all, and at one-token decode
+    steps only), wall seconds spent inside them."""
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    return {"calls": sum(m.calls for m in rows), "bytes": sum(m.bytes for m in rows),
+            "decode_bytes": sum(m.decode_bytes for m in rows), "seconds": sum(m.seconds for m in rows),
+            "decode_forwards": sum(m.decode_calls for m in rows) // max(1, len(rows))}
+
+
 def generate_tp(rank: int, world_size: int, model: Transformer, prompt: list[int], max_new_tokens: int) -> dict:
     """Rank function for ``launch.run``: greedy decoding with this rank's shard and its own cache.
 
-    Returns the tokens, which heads this rank held, its cache's bytes and shape, and the all-reduces run.
+    Returns the tokens, which heads this rank held, its cache's bytes and shape, the all-reduces run and the bytes
+    they carried per decode step, and three timings of the decoding: wall seconds, the CPU seconds of the thread
+    that ran the model (``time.thread_time``), and the wall seconds spent inside the all-reduces (waiting for the
+    peers + the transfer; under NCCL only the launch, since NCCL returns before the GPU has finished).
     """
     from ..generate import generate
     from .launch import rank_device
@@ -174,10 +196,14 @@ def generate_tp(rank: int, world_size: int, model: Transformer, prompt: list[int
     max_len = len(prompt) + max_new_tokens
     cache = KVCache.for_model(local, batch=1, max_len=max_len)
     dist.barrier()  # every rank has its shard: time the decoding alone
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     with torch.no_grad():
         out = generate(local, [prompt], max_new_tokens, cache=cache)
-    seconds = time.perf_counter() - t0
-    return {"rank": rank, "seconds": seconds, "tokens": out[0].tolist(), "q_heads": p.q_heads[rank], "kv_heads": p.kv_heads[rank],
+    seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
+    ar = all_reduce_stats(local)
+    steps = max(1, ar["decode_forwards"])  # one-token forwards (the first token comes from the prefill)
+    return {"rank": rank, "seconds": seconds, "cpu_seconds": cpu_seconds, "collective_seconds": ar["seconds"],
+            "tokens": out[0].tolist(), "q_heads": p.q_heads[rank], "kv_heads": p.kv_heads[rank],
             "cache_bytes": cache.nbytes(), "cache_shape": tuple(cache.k[0].shape), "max_len": max_len,
-            "all_reduces": all_reduce_count(local), "weight_bytes": sum(t.nbytes for t in local.state_dict().values())}
+            "all_reduces": ar["calls"], "all_reduce_bytes_per_step": ar["decode_bytes"] // steps,
+            "weight_bytes": sum(t.nbytes for t in local.state_dict().values())}

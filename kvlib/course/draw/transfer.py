@@ -40,7 +40,7 @@ def transfer(spec, sent, got, max_blocks: int = 24):
     cells(ax, 1.6, 0.3, recv_pool, size=_SIZE, texts=recv_txt, fontsize=6)
     mid = 1.6 + max_blocks * _SIZE / 2
     arrow(ax, mid, 1.8, mid, 0.7)
-    label(ax, mid + 0.15, 1.25, "header, prompt, table: control channel; K and V: dist.send", fontsize=8)
+    label(ax, mid + 0.15, 1.25, "header (with prompt and table): the store; K and V stacked: one dist.send", fontsize=8)
     label(ax, 1.6, 2.45, "cell text: request.logical block; grey on rank 1: a request recomputed there "
                          "(its transfer failed or arrived damaged)", fontsize=7, color=COLORS["masked"])
     return fig

@@ -102,6 +102,6 @@ def choice_rules(cases) -> dict:
         "second pool and no transfer, and disaggregating does not raise throughput": choice_answers(cases, "prefer disaggregate"),
         "the per-token target was left out: colocated decodes wait for every prefill chunk in their steps":
             choice_answers(cases, "ignore itl"),
-        "the transfer was left out of the disaggregated TTFT: the first token needs the prefill *and* the blocks "
-        "on the decode worker before the second one": choice_answers(cases, "no transfer"),
+        "the transfer was left out of the disaggregated TTFT: when the answer streams from the decode worker, the "
+        "client's first token comes after the prefill *and* the transfer": choice_answers(cases, "no transfer"),
     }
