@@ -132,3 +132,63 @@ def test_prefix_table_reads_prefix_hit():
 def test_passkey_bars_draw_one_bar_per_result():
     fig = ch11b.passkey_bars({"a": {"x": (3, 5), "y": (1, 5)}, "b": {"x": (5, 5)}})
     assert len(fig.axes[0].patches) == 3
+
+
+def test_quest_branch_is_quests_code_on_a_question_after_caching():
+    """qp["Quest"] is what Quest's code computes when the question arrives after the text: the text, then the
+    question in one call (more than one token: read densely), then the answer one decode step at a time (sparse).
+    The answer is that rule's own greedy continuation, so the "Quest" branch must retrieve it on every prompt; on
+    this random model the full cache and the sparse-question variant do not, so the check can tell them apart."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=64)).eval()
+    g, n_q = torch.Generator().manual_seed(1), 6
+
+    @torch.no_grad()
+    def quests_code(ids, n_new=6):
+        doc, question = ids[:-n_q], ids[-n_q:]
+        cache = ch11b.quest_for(model, 1, 200, token_budget=16, dense_multi_token=True)
+        model(torch.tensor([doc]), cache=cache, logits_to_keep=1)
+        seq, out, start = question, [], len(doc)
+        for _ in range(n_new):
+            logits = model(torch.tensor([seq]), cache=cache, positions=torch.arange(start, start + len(seq))[None])
+            start += len(seq)
+            out.append(int(logits[0, -1].argmax()))
+            seq = [out[-1]]
+        return out
+
+    prompts = []
+    for _ in range(6):
+        ids = torch.randint(0, 64, (120,), generator=g).tolist()
+        prompts.append(ch09.Passkey(ids=ids, key=0, answer=quests_code(ids), needle=range(30, 40), depth=0.3, filler=0))
+    qp = ch11b.quest_passkey(model, prompts, n_q, token_budget=16)
+    assert qp["Quest"] == [True] * 6
+    assert qp["full"] != [True] * 6 and qp["Quest late"] != [True] * 6
+
+
+def test_prefill_queries_of_a_decode_step_sit_at_their_position(tiny):
+    model, tok = tiny
+    ids = tok.encode("def area(width, height):\n    return width * height\n" * 2)[:40]
+    one = ch11b.prefill_queries(model, KVCache.for_model(model, 1, 41), ids + [ids[3]])
+    cache = KVCache.for_model(model, 1, 41)
+    ch11b.prefill_queries(model, cache, ids)
+    step = ch11b.prefill_queries(model, cache, [ids[3]], start=len(ids))
+    assert all(torch.allclose(step[layer], one[layer], atol=1e-4) for layer in one)
+    wrong = ch11b.prefill_queries(model, KVCache.for_model(model, 1, 1), [ids[3]])  # at position 0: another RoPE angle
+    assert not torch.allclose(wrong[1], one[1], atol=1e-3)
+
+
+def test_key_in_window_and_split_hits():
+    import types
+    key = [9, 1, 2]
+    prompts = []
+    for s in (100, 120, 125, 200):  # the key's first mention 4 tokens into the needle, a second one later
+        ids = [0] * 256
+        ids[s + 4: s + 7] = key
+        ids[s + 12: s + 15] = key
+        prompts.append(types.SimpleNamespace(ids=ids, answer=key, needle=range(s, s + 20)))
+    inside = ch11b.key_in_window(prompts, 128)
+    assert inside == [False, False, True, True]  # first mentions at 104, 124, 129, 204; the window: 128 .. 255
+    assert ch11b.split_hits([True, False, True, False], inside) == ((1, 2), (1, 2))
+    assert ch11b.split_hits([True, True, False, False], inside) == ((0, 2), (2, 2))
+    with pytest.raises(ValueError):
+        ch11b.key_in_window([types.SimpleNamespace(ids=[0] * 256, answer=key, needle=range(5, 25))], 128)

@@ -83,7 +83,7 @@ def test_drop_mistakes_are_named(wrong, case, words):
 def _rules():
     nll = {"none": torch.full((64,), 2.75), "window": torch.full((64,), 4.4) + torch.linspace(-1, 1, 64),
            "sinks + window": torch.full((64,), 3.0) + torch.linspace(-1, 1, 64)}
-    return pd.DataFrame({"held KiB (max)": [11880.0, 1114.0, 1114.0], "meets target": [False, True, True],
+    return pd.DataFrame({"decode peak KiB": [12994.0, 928.1, 928.1], "meets target": [False, True, True],
                          "perplexity": [15.7, 84.5, 19.9], "ppl low": [12.0, 48.3, 15.3],
                          "ppl high": [20.7, 147.2, 26.3], "nll": list(nll.values())}, index=list(nll))
 
@@ -100,37 +100,47 @@ def test_rule_decision():
 
 
 def _budgets():
-    return pd.DataFrame({"held KiB (max, measured)": [556.9, 742.5, 1113.8, 1485.0],
-                         "fp16 count KiB": [1080.0, 1440.0, 2160.0, 2880.0],
-                         "int8 codes count KiB": [540.0, 720.0, 1080.0, 1440.0],
-                         "meets target": [True, True, True, False], "perplexity": [24.0, 21.3, 19.9, 18.6],
-                         "ppl low": [18.6, 16.4, 15.3, 14.2], "ppl high": [31.5, 27.7, 26.3, 24.7]},
-                        index=pd.Index([48, 64, 96, 128], name="budget"))
+    # the memory columns as served_memory measured them for SmolLM2 (blocks of 16, a 1,024-token prompt)
+    return pd.DataFrame({"between steps KiB": [556.9, 742.5, 928.1, 1113.8],
+                         "decode peak KiB": [742.5, 928.1, 1113.8, 1299.4],
+                         "decode mean KiB": [568.5, 754.1, 939.7, 1125.4],
+                         "prefill peak KiB": [2041.9, 2227.5, 2413.2, 2598.8],
+                         "fp16 count KiB": [1080.0, 1440.0, 1800.0, 2160.0],
+                         "int8 codes count KiB": [540.0, 720.0, 900.0, 1080.0],
+                         "meets target": [True, True, True, False], "perplexity": [24.0, 21.3, 20.5, 19.9],
+                         "ppl low": [18.6, 16.4, 15.8, 15.3], "ppl high": [31.5, 27.7, 27.0, 26.3]},
+                        index=pd.Index([48, 64, 80, 96], name="budget"))
 
 
 def test_budget_decision():
     ev, target = _budgets(), 1152 * 1024
-    assert capstone.check_decision("budget", 96, ev, target_bytes=target)
-    with pytest.raises(CheckFailed, match="over the 1152 KiB target"):
-        capstone.check_decision("budget", 128, ev, target_bytes=target)
+    assert capstone.check_decision("budget", 80, ev, target_bytes=target)
+    with pytest.raises(CheckFailed, match="over the 1152 KiB target.*between steps it holds 1114 KiB"):
+        capstone.check_decision("budget", 96, ev, target_bytes=target)
     with pytest.raises(CheckFailed, match="counting the budget's positions at fp16"):
         capstone.check_decision("budget", 48, ev, target_bytes=target)
     with pytest.raises(CheckFailed, match="holds every position a smaller one holds"):
         capstone.check_decision("budget", 64, ev, target_bytes=target)
-    ev.loc[112] = [1300.0, 2520.0, 1100.0, False, 19.0, 15.0, 25.0]  # the codes fit, the measured bytes do not
+    ev.loc[112] = [1200.0, 1300.0, 1250.0, 2700.0, 2520.0, 1100.0, False, 19.0, 15.0, 25.0]  # the codes fit
     with pytest.raises(CheckFailed, match="every row has an fp16 scale"):
         capstone.check_decision("budget", 112, ev, target_bytes=target)
 
 
 def test_block_decision():
-    ev = pd.DataFrame({"held (mean)": [92.5, 88.3, 80.0], "held (min)": [89, 81, 65],
-                       "held % of budget": [96.4, 92.0, 83.3], "sink positions": [8, 16, 32],
-                       "held KiB (max)": [1113.8, 1113.8, 1113.8]}, index=pd.Index([8, 16, 32], name="block_size"))
+    # budget 80, as block_evidence measured it for SmolLM2
+    ev = pd.DataFrame({"held (mean)": [76.5, 72.5, 64.5], "held (min)": [73, 65, 49],
+                       "held % of budget": [95.6, 90.6, 80.6], "sink positions": [8, 16, 32],
+                       "decode peak KiB": [1021.0, 1113.8, 1113.8], "decode mean KiB": [939.8, 939.7, 939.7],
+                       "meets target": [True, True, True]}, index=pd.Index([8, 16, 32], name="block_size"))
     assert capstone.check_decision("block_size", 16, ev)
     with pytest.raises(CheckFailed, match="saws down by up to 31 positions"):
         capstone.check_decision("block_size", 32, ev)
     with pytest.raises(CheckFailed, match="shorter block table"):
         capstone.check_decision("block_size", 8, ev)
+    ev.loc[16, ["decode peak KiB", "meets target"]] = [1299.4, False]  # a peak over the target rules a size out
+    assert capstone.best_block(ev) == 8
+    with pytest.raises(CheckFailed, match="whole block of 16 more"):
+        capstone.check_decision("block_size", 16, ev)
 
 
 def test_the_evidence_rules_follow_the_measurements():
@@ -141,6 +151,6 @@ def test_the_evidence_rules_follow_the_measurements():
     tied.at["window", "perplexity"] = 20.1
     assert set(capstone.best_rules(tied)) == {"window", "sinks + window"}  # not separated: either is right
     assert capstone.check_decision("rule", "window", tied)
-    assert capstone.best_budget(_budgets()) == 96
+    assert capstone.best_budget(_budgets()) == 80
     none_fit = _budgets().assign(**{"meets target": False})
     assert capstone.best_budget(none_fit) is None

@@ -15,16 +15,20 @@ What it composes:
 ``load`` (dequantize the blocks a forward reads) and ``drop`` (which blocks a sequence gives back). The reference
 versions are here (``store_int8``, ``load_int8``, ``drop_blocks``); a learner's class overrides them.
 
-The judge (``judge``): memory as the server holds it (blocks held x bytes per block of every pool: codes and scales,
-plus the block table, per sequence, at given lengths), quality on chapter 09's protocol (perplexity on held-out text
-with its block-bootstrap interval, passkey k/n with Wilson 95% intervals), latency under a short GuideLLM run against
+The judge (``judge``): memory as the server pays it (blocks held x bytes per block of every pool: codes and scales,
+plus the block table, per sequence, counted during every forward, after the new tokens' blocks are reserved and before
+eviction gives any back: the peak during decode, the time average while decoding, the peak during a chunked
+prefill), quality on chapter 09's protocol (perplexity on held-out text with its block-bootstrap interval, passkey
+k/n with Wilson 95% intervals), latency under a short GuideLLM run against
 ``kvlib.serve.Server`` with the cache (TTFT and ITL p50 / p90 over the requests, each with a bootstrap interval).
 ``report`` prints each figure beside the reference build's: memory is exact (a ratio), every measured figure says
-"separated" or "not separated" from its intervals, never a bare pass on a timing.
+"separated" or "not separated" from its intervals (a latency row that comes out apart in its one run says so
+and gives no verdict: that needs repeated trials), never a bare pass on a timing.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -35,7 +39,8 @@ from ..ragged import ragged_paged_attention_ref
 from ..stats import separated, wilson
 
 __all__ = ["store_int8", "load_int8", "drop_blocks", "PagedInt8Cache", "RULES", "factory", "OneSequence",
-           "bytes_per_block", "server_bytes", "memory_at", "quality", "latency", "judge", "report", "rule_evidence",
+           "bytes_per_block", "server_bytes", "serve_one", "held_bytes", "memory_at", "served_memory", "quality",
+           "latency", "judge", "report", "rule_evidence",
            "best_rules", "budget_evidence", "best_budget", "held_while_decoding", "block_evidence", "best_block",
            "check_decision"]
 
@@ -134,10 +139,25 @@ class PagedInt8Cache(PagedKVCache):
         raise NotImplementedError("PagedInt8Cache runs every forward through ragged() (the engine's step), or "
                                   "OneSequence(cache) for model(ids, cache=...)")
 
-    def evict(self, seq_id):
-        """Give back the blocks ``drop`` names (the sinks' neighbours first), after a forward is committed."""
+    def to_drop(self, seq_id, held: int) -> int:
+        """How many blocks ``drop`` gives back for ``seq_id`` holding ``held`` positions, checked; changes nothing."""
+        table = self.tables[seq_id]
+        n = self.drop(list(table), held, self.budget, self.block_size, self.sink_blocks)
+        most = max(0, len(table) - self.sink_blocks - 1)
+        try:
+            n = n if isinstance(n, bool) else operator.index(n)
+        except TypeError:
+            pass
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
+            raise ValueError(f"drop must return an int from 0 to {most} (the blocks besides the {self.sink_blocks} "
+                             f"sink block(s) and the last), got {n!r} for a table of {len(table)} blocks")
+        return n
+
+    def evict(self, seq_id, n: int | None = None):
+        """Give back ``n`` blocks (default: what ``drop`` names) from just after the sinks, once a forward is
+        committed."""
         bs, table = self.block_size, self.tables[seq_id]
-        n = int(self.drop(list(table), self.lens[seq_id], self.budget, bs, self.sink_blocks))
+        n = self.to_drop(seq_id, self.lens[seq_id]) if n is None else n
         s = self.sink_blocks
         for b in table[s: s + n]:
             self.release_block(b)
@@ -173,9 +193,17 @@ class _Int8Ragged(RaggedBatch):
         return out.transpose(0, 1)[None]  # (1, H, N, D)
 
     def commit(self):
+        """Commit, then evict: every ``drop`` is asked (and checked) before anything changes, so one that raises
+        leaves the cache as it was before the forward (the reservation given back), and the engine can retry."""
+        c = self.cache
+        try:
+            drops = [c.to_drop(s, c.lens[s] + n) for s, n in zip(self.seq_ids, self.counts)]
+        except BaseException:
+            self.rollback()
+            raise
         super().commit()
-        for s in self.seq_ids:
-            self.cache.evict(s)
+        for s, n in zip(self.seq_ids, drops):
+            c.evict(s, n)
 
 
 def factory(cls, decisions: dict):
@@ -200,6 +228,8 @@ class OneSequence:
         self.cache, self.seq_id, self.view = cache, seq_id, None
         cache.add_sequence(seq_id)
         self.trace: list = []  # (positions seen, bytes held) after every forward
+        self.blocks: list = []  # blocks held during every forward: after its reservation, before eviction
+        self.after: list = []  # (blocks, positions) held after every forward, once eviction ran
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -211,6 +241,7 @@ class OneSequence:
             raise ValueError(f"OneSequence drives batch 1, got B={q.shape[0]}")
         if layer_idx == 0:
             self.view = self.cache.ragged([self.seq_id], [[0] * q.shape[2]])
+            self.blocks.append(len(self.cache.tables[self.seq_id]))  # the new tokens' blocks are already taken
         try:
             out = self.view.attend(layer_idx, q, k, v)
         except BaseException:
@@ -219,6 +250,7 @@ class OneSequence:
         if layer_idx == len(self.cache.k) - 1:
             self.view.commit()
             self.trace.append((int(self.seq_lens[0]), server_bytes(self.cache, self.seq_id)))
+            self.after.append((len(self.cache.tables[self.seq_id]), self.cache.lens[self.seq_id]))
         return out
 
 
@@ -248,17 +280,47 @@ def server_bytes(cache: PagedKVCache, seq_id) -> int:
 
 
 @torch.no_grad()
-def memory_at(model, cache_factory, lengths=(256, 1024), block_size: int = 16) -> dict:
-    """{length: bytes per sequence} after a sequence of that many tokens went through a fresh cache (a prompt of
-    ``length`` tokens in one call), and ``"fp16"``: {length: a plain fp16 cache's bytes}, for scale."""
+def serve_one(model, cache, prompt_len: int, chunk: int = 128, n_tokens: int = 16) -> OneSequence:
+    """One sequence through ``cache`` as the engine serves it: a prompt of ``prompt_len`` tokens prefilled in chunks of
+    ``chunk`` (the server's ``max_batched_tokens``) with eviction after each chunk, then ``n_tokens`` decode steps, at
+    their true positions. -> the ``OneSequence``: ``.blocks`` has the blocks held during every forward (the chunks'
+    first), ``.trace`` the positions and bytes held after each."""
+    seq, dev = OneSequence(cache), model.device
+    for a in range(0, prompt_len, chunk):
+        e = min(a + chunk, prompt_len)
+        model(torch.zeros(1, e - a, dtype=torch.long, device=dev), positions=torch.arange(a, e, device=dev)[None],
+              cache=seq, logits_to_keep=1)
+    for t in range(prompt_len, prompt_len + n_tokens):
+        model(torch.zeros(1, 1, dtype=torch.long, device=dev), positions=torch.tensor([[t]], device=dev), cache=seq,
+              logits_to_keep=1)
+    return seq
+
+
+def held_bytes(blocks: list, per_block: int, prompt_len: int, chunk: int) -> dict:
+    """Bytes per sequence from the blocks held during each forward of ``serve_one``: the most during prefill, the
+    most during decode, and the mean over the decode steps (each step one forward: the time average while decoding)."""
+    n_pre = -(-prompt_len // chunk)
+    pre, dec = blocks[:n_pre], blocks[n_pre:]
+    return {"prefill peak": max(pre) * per_block, "decode peak": max(dec) * per_block,
+            "decode mean": sum(dec) / len(dec) * per_block}
+
+
+def memory_at(model, cache_factory, lengths=(256, 1024), block_size: int = 16, chunk: int = 128,
+              n_tokens: int | None = None) -> dict:
+    """{length: {"prefill peak", "decode peak", "decode mean"} bytes per sequence} for a prompt of that many tokens
+    served as the engine serves it (``serve_one``: chunks of ``chunk``, then ``n_tokens`` decode steps, default one
+    block's worth, so the mean covers whole cycles of eviction), counted during every forward, after the new tokens'
+    blocks are reserved and before eviction gives any back: what the server's pool must hold. ``"fp16"``: {length: a
+    plain fp16 cache's bytes}, for scale."""
     from ..footprint import fp16_cache_bytes
 
+    n_tokens = n_tokens or block_size
     out, fp16 = {}, {}
     for L in lengths:
-        cache = cache_factory(model, -(-L // block_size) + 1, block_size)
-        seq = OneSequence(cache)
-        model(torch.zeros(1, L, dtype=torch.long, device=model.device), cache=seq, logits_to_keep=1)
-        out[L], fp16[L] = server_bytes(cache, 0), fp16_cache_bytes(model.config, L)
+        cache = cache_factory(model, -(-(L + n_tokens) // block_size) + 2, block_size)
+        seq = serve_one(model, cache, L, chunk, n_tokens)
+        out[L] = held_bytes(seq.blocks, bytes_per_block(cache) + 4, L, chunk)
+        fp16[L] = fp16_cache_bytes(model.config, L)
     out["fp16"] = fp16
     return out
 
@@ -279,9 +341,7 @@ def quality(model, cache_factory, text, prompts, block_size: int) -> dict:
         seq = OneSequence(cache_factory(model, -(-text.shape[1] // block_size) + 2, block_size))
         ppl, nll = ch09.perplexity(model, seq, text)
         lo, hi = ch09.ppl_interval(nll)
-        row.update(perplexity=ppl, ppl_low=lo, ppl_high=hi, nll=nll,
-                   mean_bytes=sum(b for _, b in seq.trace[1:]) / max(1, len(seq.trace) - 1),
-                   peak_bytes=max(b for _, b in seq.trace))
+        row.update(perplexity=ppl, ppl_low=lo, ppl_high=hi, nll=nll)
     if prompts:
         n_blocks = -(-(len(prompts[0].ids) + len(prompts[0].answer)) // block_size) + 2
         pk = ch09.score_passkey(model, lambda b: OneSequence(cache_factory(model, n_blocks, block_size)), prompts,
@@ -355,18 +415,30 @@ def latency(model, tok, builds: dict, *, requests: int = 6, rate: float = 0.5, p
             except Exception as err:  # noqa: BLE001 - raised below, in the caller's thread
                 errors.append(err)
 
-        threads = [threading.Thread(target=run, args=item) for item in servers.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return {name: {**_per_request(rep), "tool": "GuideLLM", "command": rep["_command"]}
+        for attempt in range(3):  # a run in which GuideLLM sent a burst is rerun, twice at most (as chapter 10 does)
+            threads = [threading.Thread(target=run, args=item) for item in servers.items()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            bursts = {name: rep["_bursts"] for name, rep in reports.items() if rep["_bursts"]}
+            if not bursts:
+                break
+        return {name: {**_per_request(rep), "tool": "GuideLLM", "command": rep["_command"], "attempts": attempt + 1,
+                       "bursts": bursts.get(name, []), **_load_seen(servers[name])}
                 for name, rep in reports.items()}
     finally:
         for srv in servers.values():
             srv.stop()
+
+
+def _load_seen(server) -> dict:
+    """How loaded the server's engine was: its forwards and the sequences each one carried (mean, max)."""
+    per = [len(ev["scheduled"]) for ev in server.engine.events if ev.get("forwards")]
+    return {"forwards": len(per), "seqs_per_forward": sum(per) / max(1, len(per)), "seqs_per_forward_max": max(per,
+                                                                                                             default=0)}
 
 
 def _threads_load(servers: dict, requests, rate, prompt_tokens, output_tokens) -> dict:
@@ -387,7 +459,8 @@ def _threads_load(servers: dict, requests, rate, prompt_tokens, output_tokens) -
         ok = [c for c in cs if c.error is None and len(c.pieces) > 1]
         out[name] = {"ttft_ms": [1e3 * c.pieces[0][0] for c in ok],
                      "itl_ms": [1e3 * (c.pieces[-1][0] - c.pieces[0][0]) / (len(c.pieces) - 1) for c in ok],
-                     "tool": "threads (the guidellm command was not found)", "command": ""}
+                     "tool": "threads (the guidellm command was not found)", "command": "", "attempts": 1,
+                     "bursts": [], **_load_seen(servers[name])}
     return out
 
 
@@ -431,9 +504,12 @@ def report_rows(result) -> list[dict]:
     rows = [{"figure": "decisions", "yours": _decisions(y["decisions"]), "reference": _decisions(r["decisions"]),
              "comparison": "same" if y["decisions"] == r["decisions"] else "different"}]
     for L in (k for k in y["memory"] if k != "fp16"):
-        a, b, f = y["memory"][L], r["memory"][L], y["memory"]["fp16"][L]
-        rows.append({"figure": f"memory per sequence at {L} tokens", "yours": f"{_mib(a)} ({a / f:.1%} of fp16)",
-                     "reference": f"{_mib(b)} ({b / f:.1%} of fp16)", "comparison": f"exact: yours / reference = {a / b:.3f}"})
+        for what, label in (("decode peak", "peak during decode"), ("decode mean", "time-averaged while decoding"),
+                            ("prefill peak", "peak during the chunked prefill")):
+            a, b, f = y["memory"][L][what], r["memory"][L][what], y["memory"]["fp16"][L]
+            rows.append({"figure": f"memory per sequence, {L}-token prompt: {label}",
+                         "yours": f"{_mib(a)} ({a / f:.1%} of fp16)", "reference": f"{_mib(b)} ({b / f:.1%} of fp16)",
+                         "comparison": f"exact: yours / reference = {a / b:.3f}"})
     if "perplexity" in y and "perplexity" in r:
         from . import ch09
 
@@ -458,8 +534,10 @@ def report_rows(result) -> list[dict]:
                              "reference": f"{len(b)} requests", "comparison": "too few requests for an interval"})
                 continue
             (va, la, ha), (vb, lb, hb) = _quantile_interval(a, q), _quantile_interval(b, q)
+            # one run per build: the bootstrap resamples its requests and cannot see what differs between the two
+            # runs, so two runs of the same code can come out apart; a timing verdict needs repeated trials (ch. 10)
             side = ("not separated" if not separated((la, ha), (lb, hb)) else
-                    "separated: " + ("yours lower" if va < vb else "yours higher"))
+                    "apart in this one run: no verdict without repeated trials")
             rows.append({"figure": f"{name} p{q * 100:.0f} ms [95% bootstrap, {len(a)} / {len(b)} requests]",
                          "yours": f"{va:.0f} [{la:.0f}, {ha:.0f}]", "reference": f"{vb:.0f} [{lb:.0f}, {hb:.0f}]",
                          "comparison": side})
@@ -487,17 +565,49 @@ def report(result):
 # --------------------------------------------------------------------------------------------
 
 
-def rule_evidence(model, text, target_bytes: int, budget: int = 64, block_size: int = 16):
-    """Each rule of ``RULES`` at ``budget`` positions, blocks of ``block_size``, through the reference cache on
-    ``text``: the most bytes held per sequence between steps, whether that meets ``target_bytes``, perplexity with its
+def _tiny_model():
+    from ..model import ModelConfig, Transformer
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Transformer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=2, hidden_dim=64)).eval()
+
+
+def served_memory(model, decisions: dict, prompt_len: int = 1024, chunk: int = 128, n_tokens: int = 96) -> dict:
+    """The reference cache with ``decisions`` serving one sequence as the engine does (``serve_one``: the prompt in
+    chunks of ``chunk``, then ``n_tokens`` decode steps), run on a small random model (which blocks a sequence holds
+    depends on its positions, not on the weights) and priced at ``model``'s bytes per block (every pool + the table
+    entry) -> ``held_bytes``'s figures, "between steps" (the most held after a decode step, once eviction ran) and
+    "held" (the positions held after each decode step)."""
+    bs = int(decisions["block_size"])
+    tiny = _tiny_model()
+    cache = factory(PagedInt8Cache, decisions)(tiny, -(-(prompt_len + n_tokens) // bs) + 2, bs)
+    seq = serve_one(tiny, cache, prompt_len, chunk, n_tokens)
+    per_block = bytes_per_block(PagedInt8Cache.for_model(model, 1, bs)) + 4
+    out = held_bytes(seq.blocks, per_block, prompt_len, chunk)
+    decode = seq.after[-n_tokens:]
+    out.update({"between steps": max(b for b, _ in decode) * per_block, "held": [h for _, h in decode]})
+    return out
+
+
+def _memory_columns(m: dict) -> dict:
+    return {"between steps KiB": m["between steps"] / 1024, "decode peak KiB": m["decode peak"] / 1024,
+            "decode mean KiB": m["decode mean"] / 1024, "prefill peak KiB": m["prefill peak"] / 1024}
+
+
+def rule_evidence(model, text, target_bytes: int, budget: int = 64, block_size: int = 16, chunk: int = 128):
+    """Each rule of ``RULES`` at ``budget`` positions, blocks of ``block_size``: bytes per sequence as the server holds
+    them for a 1,024-token prompt (``served_memory``: prefill in chunks of ``chunk``, then decode; the most during a
+    decode step is what ``target_bytes`` applies to), and perplexity on ``text`` through the reference cache with its
     interval (and the NLL, for paired intervals) -> DataFrame indexed by rule."""
     import pandas as pd
 
     rows = {}
     for rule in RULES:
-        q = quality(model, factory(PagedInt8Cache, dict(block_size=block_size, budget=budget, rule=rule)), text, None,
-                    block_size)
-        rows[rule] = {"held KiB (max)": q["peak_bytes"] / 1024, "meets target": q["peak_bytes"] <= target_bytes,
+        d = dict(block_size=block_size, budget=budget, rule=rule)
+        m = served_memory(model, d, chunk=chunk)
+        q = quality(model, factory(PagedInt8Cache, d), text, None, block_size)
+        rows[rule] = {**_memory_columns(m), "meets target": m["decode peak"] <= target_bytes,
                       "perplexity": q["perplexity"], "ppl low": q["ppl_low"], "ppl high": q["ppl_high"], "nll": q["nll"]}
     return pd.DataFrame.from_dict(rows, orient="index")
 
@@ -512,28 +622,30 @@ def best_rules(evidence) -> list:
     return [r for r in ok.index if r == best or ch09.ppl_ratio_interval(ok.loc[r, "nll"], ok.loc[best, "nll"])[1] <= 1]
 
 
-def budget_evidence(model, text, target_bytes: int, budgets=(48, 64, 96, 128), block_size: int = 16):
-    """Sinks + window at each budget: the most bytes held per sequence between steps (measured), what a count of the
-    budget's positions at fp16 and at int8 codes alone would say, whether the measured bytes meet ``target_bytes``, and
-    perplexity with its interval -> DataFrame indexed by budget."""
+def budget_evidence(model, text, target_bytes: int, budgets=(48, 64, 80, 96), block_size: int = 16,
+                    chunk: int = 128):
+    """Sinks + window at each budget: bytes per sequence as the server holds them (``served_memory``: after a decode
+    step, the most during one, the mean over the steps, the most during the prefill in chunks of ``chunk``), what a
+    count of the budget's positions at fp16 and at int8 codes alone would say, whether the decode peak meets
+    ``target_bytes``, and perplexity with its interval -> DataFrame indexed by budget."""
     import pandas as pd
 
     from ..footprint import fp16_cache_bytes
 
     rows = {}
     for b in budgets:
-        q = quality(model, factory(PagedInt8Cache, dict(block_size=block_size, budget=b, rule="sinks + window")), text,
-                    None, block_size)
-        rows[b] = {"held KiB (max, measured)": q["peak_bytes"] / 1024,
-                   "fp16 count KiB": fp16_cache_bytes(model.config, b) / 1024,
+        d = dict(block_size=block_size, budget=b, rule="sinks + window")
+        m = served_memory(model, d, chunk=chunk)
+        q = quality(model, factory(PagedInt8Cache, d), text, None, block_size)
+        rows[b] = {**_memory_columns(m), "fp16 count KiB": fp16_cache_bytes(model.config, b) / 1024,
                    "int8 codes count KiB": fp16_cache_bytes(model.config, b) / 2 / 1024,
-                   "meets target": q["peak_bytes"] <= target_bytes, "perplexity": q["perplexity"],
+                   "meets target": m["decode peak"] <= target_bytes, "perplexity": q["perplexity"],
                    "ppl low": q["ppl_low"], "ppl high": q["ppl_high"]}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("budget")
 
 
 def best_budget(evidence):
-    """The largest budget whose measured bytes meet the target (a window with more budget holds a superset of a
+    """The largest budget whose decode peak meets the target (a window with more budget holds a superset of a
     smaller one's positions), or None when none does."""
     ok = evidence[evidence["meets target"].astype(bool)]
     return int(ok.index.max()) if len(ok) else None
@@ -558,27 +670,33 @@ def held_while_decoding(budget: int, block_size: int, n_tokens: int = 256, rule:
     return held
 
 
-def block_evidence(model, budget: int, block_sizes=(8, 16, 32), n_tokens: int = 256):
-    """Per block size, sinks + window at ``budget``: the positions held while decoding (mean, min over the steps
-    after the cache first filled), that mean as a share of the budget, the sink block, and the most bytes held per
-    sequence for ``model``'s shapes (the most blocks held x bytes per block, from a live cache) -> DataFrame."""
+def block_evidence(model, budget: int, block_sizes=(8, 16, 32), target_bytes: int | None = None,
+                   n_tokens: int = 96):
+    """Per block size, sinks + window at ``budget`` (``served_memory``, ``n_tokens`` decode steps after a 1,024-token
+    prompt: whole cycles of eviction for blocks up to 32): the positions held after each step (mean, min), that mean
+    as a share of the budget, the sink block, bytes per sequence (the most during a decode step, the mean) and, with
+    ``target_bytes``, whether that peak meets it -> DataFrame indexed by block size."""
     import pandas as pd
 
     rows = {}
     for bs in block_sizes:
-        held = held_while_decoding(budget, bs, n_tokens)
-        full = held[next(i for i, h in enumerate(held) if h >= budget - bs + 1):]
-        per_block = bytes_per_block(PagedInt8Cache.for_model(model, 1, bs, budget=budget)) + 4
-        rows[bs] = {"held (mean)": sum(full) / len(full), "held (min)": min(full),
-                    "held % of budget": 100 * sum(full) / len(full) / budget, "sink positions": bs,
-                    "held KiB (max)": max(-(-h // bs) for h in full) * per_block / 1024}
+        m = served_memory(model, dict(block_size=bs, budget=budget, rule="sinks + window"), n_tokens=n_tokens)
+        held = m["held"]
+        rows[bs] = {"held (mean)": sum(held) / len(held), "held (min)": min(held),
+                    "held % of budget": 100 * sum(held) / len(held) / budget, "sink positions": bs,
+                    "decode peak KiB": m["decode peak"] / 1024, "decode mean KiB": m["decode mean"] / 1024}
+        if target_bytes is not None:
+            rows[bs]["meets target"] = m["decode peak"] <= target_bytes
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("block_size")
 
 
 def best_block(evidence, keep_pct: float = 90.0):
-    """The largest block size whose mean positions held stay at ``keep_pct``% of the budget or more (fewer, larger
-    blocks: shorter block tables and fewer steps per position in a paged kernel), or None."""
+    """The largest block size whose mean positions held stay at ``keep_pct``% of the budget or more and, where the
+    evidence has the column, whose decode peak meets the target (fewer, larger blocks: shorter block tables; but the
+    block a step opens is a whole block more to hold), or None."""
     ok = evidence[evidence["held % of budget"] >= keep_pct]
+    if "meets target" in evidence:
+        ok = ok[ok["meets target"].astype(bool)]
     return int(ok.index.max()) if len(ok) else None
 
 

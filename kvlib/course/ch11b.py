@@ -26,8 +26,10 @@ Bytes read are counted per query and layer, in positions (K and V of one positio
 ``quest_passkey`` reuses prefill work: per prompt one dense prefill of the text, then three continuations cut back
 with ``QuestCache.truncate`` (exact: the summaries are recomputed from the rows kept): the question densely (what
 a one-call prefill of the whole prompt computes, up to rounding), then the answer densely (the full cache) or
-sparsely (Quest, question in the prompt); and the question and the answer sparsely (Quest, question after
-caching).
+sparsely (Quest, question in the prompt); and the question and the answer sparsely (question after caching, read
+sparsely query by query: the course's own variant, "Quest late"). Quest's code attends densely to any call of more
+than one token (``if q_len > 1 ...: flash_forward``), so a question that arrives after the text, in one call, is
+read densely there: that is the "Quest" branch again (the text, then the question densely, then the answer sparsely).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from . import ch09
 
 __all__ = ["P_LEN", "N_PROMPTS", "BLOCK", "TOKEN_BUDGET", "DENSE_LAYERS", "split_prompt", "quest_for",
            "position_bytes", "quest_passkey", "score_late", "answer_read", "bound_recall", "prefill_queries",
-           "window_rows", "hybrid_row", "spare_table", "prefix_table", "retention_demo", "passkey_bars",
+           "key_in_window", "split_hits", "window_rows", "hybrid_row", "spare_table", "prefix_table",
+           "retention_demo", "passkey_bars",
            "perplexity_interval_line", "full_cache_perplexity", "window_evidence", "check_window_choice"]
 
 P_LEN = 256  # tokens of every passkey prompt: longer than the window of section 3 (128)
@@ -86,7 +89,9 @@ def quest_passkey(model, prompts: list, n_question: int, token_budget: int = TOK
     """The full cache, Quest with the question in the prompt and Quest with the question after caching, on every
     prompt (module docstring: one dense prefill of the text per prompt, three continuations). Returns
     {"full", "Quest", "Quest late"}: lists of bool (retrieved), and "read", "read late": Quest's mean positions read
-    per sparse query and layer (the answer's tokens after the first; the question's and the answer's tokens)."""
+    per sparse query and layer (the answer's tokens after the first; the question's and the answer's tokens).
+    "Quest" is also Quest's code on a question that arrives after the text (its multi-token call read densely);
+    "Quest late" is the course's variant, every query after the text read sparsely."""
     dev, pos_b = model.device, position_bytes(model)
     out = {"full": [], "Quest": [], "Quest late": [], "read": [], "read late": []}
     for p in prompts:
@@ -196,8 +201,29 @@ def hybrid_row(model, make, text, prompts) -> dict:
     row = {"perplexity": ppl, "nll": nll}
     if prompts:
         pk = ch09.score_passkey(model, lambda B: make(B, len(prompts[0].ids)), prompts, batch=1)
-        row.update({"passkey k": pk["k"], "passkey n": pk["n"]})
+        row.update({"passkey k": pk["k"], "passkey n": pk["n"], "passkey hits": pk["retrieved"]})
     return row
+
+
+def key_in_window(prompts: list, window: int) -> list:
+    """Per prompt: is the key's first mention in the needle (the answer's tokens, space included) within the last
+    ``window`` positions of the prompt, the part a window layer of ``window`` positions still shows the prompt's
+    last query? -> list of bool."""
+    out = []
+    for p in prompts:
+        n = len(p.answer)
+        first = next((i for i in p.needle if p.ids[i:i + n] == list(p.answer)), None)
+        if first is None:
+            raise ValueError("the answer's tokens do not appear in the needle")
+        out.append(first >= len(p.ids) - window)
+    return out
+
+
+def split_hits(hits: list, inside: list) -> tuple:
+    """(k, n) of the hits where ``inside`` is True, and (k, n) where it is False."""
+    a = [h for h, i in zip(hits, inside) if i]
+    b = [h for h, i in zip(hits, inside) if not i]
+    return (sum(a), len(a)), (sum(b), len(b))
 
 
 def spare_table(spares=(0, 1, 2, 3), cuts=(1, 2, 3, 4, 5), window: int = 8, n: int = 20) -> dict:
@@ -301,9 +327,11 @@ def full_cache_perplexity(model, text):
 
 
 @torch.no_grad()
-def prefill_queries(model, cache, ids: list) -> dict:
-    """Prefill ``ids`` (one sequence) through ``cache`` and return {layer: the last position's query (1, H, D),
-    after RoPE}: the query a picture or a bound check needs."""
+def prefill_queries(model, cache, ids: list, start: int = 0) -> dict:
+    """Feed ``ids`` (one sequence, at positions ``start``, ``start + 1``, ...) through ``cache`` and return
+    {layer: the last position's query (1, H, D), after RoPE}: the query a picture or a bound check needs. On an
+    empty cache this is the prefill's last query; one token fed after a prefill is a decode step's query (the one
+    Quest reads sparsely)."""
     last_q, original = {}, cache.attend
 
     def attend(layer_idx, q, k, v):
@@ -312,7 +340,8 @@ def prefill_queries(model, cache, ids: list) -> dict:
 
     cache.attend = attend
     try:
-        model(torch.tensor([ids], device=model.device), cache=cache, logits_to_keep=1)
+        model(torch.tensor([ids], device=model.device), cache=cache, logits_to_keep=1,
+              positions=torch.arange(start, start + len(ids), device=model.device)[None])
     finally:
         del cache.attend
     return last_q

@@ -70,7 +70,8 @@ def rule_choice(yours, accepted, evidence) -> list[str]:
         return [f"{yours!r} is not one of the rules: " + ", ".join(repr(r) for r in evidence.index)]
     mine = evidence.loc[yours]
     if not bool(mine["meets target"]):
-        return [f"{yours} holds {mine['held KiB (max)']:.0f} KiB per sequence at its most: over the memory target"]
+        return [f"{yours} holds {mine['decode peak KiB']:.0f} KiB per sequence during a decode step: over the memory "
+                "target"]
     best = evidence.loc[accepted[0]]
     lines = [f"{yours} fits, but its perplexity {mine['perplexity']:.1f} [{mine['ppl low']:.1f}, {mine['ppl high']:.1f}]"
              f" is separated from {accepted[0]}'s {best['perplexity']:.1f} [{best['ppl low']:.1f}, {best['ppl high']:.1f}]"]
@@ -86,12 +87,16 @@ def budget_choice(yours, ref, evidence, target_bytes) -> list[str]:
     mine = evidence.loc[yours]
     target = target_bytes / 1024
     if not bool(mine["meets target"]):
-        line = f"budget {yours} holds {mine['held KiB (max, measured)']:.0f} KiB measured, over the {target:.0f} KiB target"
-        if mine["int8 codes count KiB"] <= target:
+        line = f"budget {yours} holds {mine['decode peak KiB']:.0f} KiB during a decode step, over the {target:.0f} KiB target"
+        if mine["between steps KiB"] <= target:
+            line += (f": between steps it holds {mine['between steps KiB']:.0f} KiB, but a step that opens a block "
+                     "takes the block before the forward and eviction gives one back only after it, so the pool pays "
+                     "one block more")
+        elif mine["int8 codes count KiB"] <= target:
             line += ": the int8 codes alone fit, but every row has an fp16 scale and every block a table entry"
         return [line]
-    lines = [f"budget {yours} fits ({mine['held KiB (max, measured)']:.0f} KiB), but {ref} fits too and a window with "
-             f"more budget holds every position a smaller one holds"]
+    lines = [f"budget {yours} fits ({mine['decode peak KiB']:.0f} KiB during a decode step), but {ref} fits too and a "
+             "window with more budget holds every position a smaller one holds"]
     if mine["fp16 count KiB"] <= target < evidence.loc[ref, "fp16 count KiB"]:
         lines.append("counting the budget's positions at fp16 bytes misses the point of the INT8 cache: measure "
                      "what it holds")
@@ -102,10 +107,13 @@ def block_choice(yours, ref, evidence, keep_pct) -> list[str]:
     if yours not in evidence.index:
         return [f"{yours!r} is not one of the block sizes: " + ", ".join(str(b) for b in evidence.index)]
     mine = evidence.loc[yours]
+    if "meets target" in evidence and not bool(mine["meets target"]):
+        return [f"blocks of {yours} hold {mine['decode peak KiB']:.0f} KiB during a decode step, over the target: the "
+                f"step that opens a block holds a whole block of {yours} more until eviction runs"]
     if mine["held % of budget"] < keep_pct:
         return [f"blocks of {yours} hold {mine['held % of budget']:.0f}% of the budget on average, under {keep_pct:g}%: "
                 f"eviction frees a whole block at a time, so the window saws down by up to {yours - 1} positions, and "
                 f"the sink block takes {yours} of them"]
     return [f"blocks of {yours} keep {mine['held % of budget']:.0f}% of the budget, but blocks of {ref} keep "
-            f"{evidence.loc[ref, 'held % of budget']:.0f}% too: the larger block means a shorter block table and fewer "
-            "steps per position in the paged kernel"]
+            f"{evidence.loc[ref, 'held % of budget']:.0f}% and fit the target too: the rule asks for the larger block "
+            "(a shorter block table, fewer blocks to allocate and free)"]
