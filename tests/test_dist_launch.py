@@ -208,3 +208,8 @@ def test_a_rank_function_spawn_cannot_import_is_named(tmp_path):
                           cwd=os.path.dirname(os.path.dirname(__file__)))
     assert "RankFailed:" in done.stdout, done.stdout + done.stderr
     assert "before it could run fn" in done.stdout and "out of memory" not in done.stdout
+
+
+def test_rank_store_is_only_available_inside_a_rank():
+    with pytest.raises(RuntimeError, match="only available inside a rank"):
+        launch.rank_store()

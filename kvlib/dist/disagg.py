@@ -115,15 +115,17 @@ def adopt(engine: Engine, prompt, first_token: int, max_new_tokens: int, k, v) -
 # --------------------------------------------------------------------------------------------
 # A decode worker must keep decoding while it waits for the next request, so it needs to *ask* whether a message is
 # there without blocking. gloo's irecv cannot be polled (its is_completed() stays False until wait(), and a wait
-# that times out breaks the connection), so headers go through the process group's key-value store (a TCPStore:
+# that times out breaks the connection), so headers go through the group's key-value store (launch.rank_store(), a TCPStore:
 # ``check`` does not block), and the blocks through send/recv. Real connectors split the same way: NIXL exchanges
 # metadata on a side channel and moves the bytes on its data plane; Mooncake keeps a metadata service.
 
 
 def _store(channel: str = ""):
-    from torch.distributed import PrefixStore, distributed_c10d
+    from torch.distributed import PrefixStore
 
-    return PrefixStore("kvlib.disagg/" + channel, distributed_c10d._get_default_store())
+    from .launch import rank_store
+
+    return PrefixStore("kvlib.disagg/" + channel, rank_store())
 
 
 def post_header(seq: int, header, channel: str = "") -> None:

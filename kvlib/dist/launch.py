@@ -27,7 +27,7 @@ import pickle
 import time
 import traceback
 
-__all__ = ["run", "RankFailed", "pick_backend", "rank_device", "MAX_WORLD_SIZE"]
+__all__ = ["run", "RankFailed", "pick_backend", "rank_device", "rank_store", "MAX_WORLD_SIZE"]
 
 MAX_WORLD_SIZE = 8  # this launcher is for one machine: a handful of processes
 HOST = "127.0.0.1"  # every rank is on this machine: the loopback interface
@@ -70,6 +70,17 @@ def rank_device():
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_RANK_STORE = None  # inside a rank: the rendezvous store it joined (set by the rank's bootstrap)
+
+
+def rank_store():
+    """Inside a rank: the group's key-value store (the TCPStore it joined at the rendezvous), for small control
+    messages a rank must be able to look for without blocking (``check``), as chapter 12b's transfer headers do."""
+    if _RANK_STORE is None:
+        raise RuntimeError("rank_store() is only available inside a rank started by kvlib.dist.launch.run")
+    return _RANK_STORE
 
 
 def _check_importable(fn) -> None:
@@ -168,6 +179,7 @@ def _exit_with_parent(parent: int) -> None:
 def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
     """One rank: say it started, join the group, run fn, send back ("ok", pickled result) or ("error", traceback
     text)."""
+    global _RANK_STORE
     conn.send(("started", None))  # spawn got this far: it imported fn and the parent's script (if any)
     _exit_with_parent(parent)
     import torch
@@ -182,6 +194,7 @@ def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
     try:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(HOST, port, world_size + 1, False, timeout=timeout)
+        _RANK_STORE = store
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
