@@ -45,77 +45,65 @@ class _Num(str):
 
 
 ROWS = [
-    Row("tiny model, naive loop, warmed allocator: step time at position 512 vs 32, measured vs the FLOP "
-        "model (page faults per step)", "02_naive_decoding.ipynb",
+    Row("tiny model, naive loop (warm allocator): step time at position 512 vs 32, measured vs FLOPs", "02_naive_decoding.ipynb",
         (r"step time at t = 512 vs t = 32, warmed allocator: (?P<x>[\d.]+)× measured, (?P<f>[\d.]+)× by the FLOP model",
          r"allocator kept warm: True; page faults per step: (?P<pf>[\d,]+)"),
-        "{x}× vs {f}× ({pf} faults per step)"),
-    Row("tiny model: cached vs naive generation of 256 tokens", "03_kv_cache.ipynb",
+        "{x}× vs {f}× ({pf} page faults/step)"),
+    Row("tiny model: cached vs naive, 256 tokens", "03_kv_cache.ipynb",
         r"cached vs naive generation, 256 new tokens: (?P<x>[\d.]+)x faster", "{x}×"),
-    Row("SmolLM2, greedy tokens/s: naive loop / KV cache / transformers `generate`, same weights", "03_kv_cache.ipynb",
+    Row("SmolLM2 tokens/s: naive / KV cache / transformers `generate`", "03_kv_cache.ipynb",
         r"kvlib, naive loop:\s+(?P<naive>[\d.]+) tokens/s.*?kvlib, KV cache:\s+(?P<cached>[\d.]+) tokens/s"
         r".*?transformers generate:\s+(?P<hf>[\d.]+) tokens/s", "{naive} / {cached} / {hf}"),
-    Row("SmolLM2, fp32 decode step vs its bound (bytes of weights + cache ÷ copy bandwidth)",
+    Row("SmolLM2 fp32 decode step vs its bandwidth bound (weights + cache)",
         "03_kv_cache.ipynb", r"In fp32 the decode step reaches (?P<pct>\d+%) of the bandwidth bound",
         "{pct} of the bound"),
-    Row("LLaMA-7B, batch 4, 2048 tokens, fp16: the first source article's formula vs the correct one",
+    Row("LLaMA-7B KV, batch 4 × 2048, fp16: first source article vs correct",
         "04_kv_memory.ipynb",
         r"The first source article's formula overstates LLaMA-7B's cache 32× \((?P<bad>\d+ GiB) instead of (?P<good>\d+ GiB)",
         "{bad} vs {good}"),
-    Row("SmolLM2 KV bytes per token, predicted = allocated: fp16 / fp32 / INT8 with scales",
+    Row("SmolLM2 KV bytes/token, predicted = allocated: fp16 / fp32 / INT8; resident memory vs formula",
         "04_kv_memory.ipynb",
-        r"caches built for SmolLM2-135M: (?P<fp16>[\d,]+) bytes per token in fp16, (?P<fp32>[\d,]+) in fp32, "
-        r"(?P<int8>[\d,]+) in INT8", "{fp16} / {fp32} / {int8}"),
-    Row("the same caches: resident memory of a fresh process vs the formula",
-        "04_kv_memory.ipynb", r"grew by the formula's bytes within (?P<pct>[\d.]+%)", "within {pct}"),
-    Row("1000 simulated requests, 64K-token pool: KV memory holding tokens, max-length reservation vs "
-        "paged (block 16); requests running at once", "05_paged_kv.ipynb",
+        (r"caches built for SmolLM2-135M: (?P<fp16>[\d,]+) bytes per token in fp16, (?P<fp32>[\d,]+) in fp32, "
+         r"(?P<int8>[\d,]+) in INT8", r"grew by the formula's bytes within (?P<pct>[\d.]+%)"),
+        "{fp16} / {fp32} / {int8}; within {pct}"),
+    Row("1000 simulated requests: memory holding tokens; requests at once (reservation vs paged)", "05_paged_kv.ipynb",
         r"Contiguous reservation: (?P<c>[\d.]+%) of the allocated KV memory holds tokens.*?paged, block 16: "
         r"(?P<p>[\d.]+%).*?Requests running at once, on average: (?P<a>[\d.]+) → (?P<b>[\d.]+)",
         "{c} vs {p}; {a} vs {b}"),
-    Row("the same: preemptions and tokens prefilled again, no watermark → watermark 0.01",
+    Row("the same: preemptions; tokens re-prefilled (no watermark → 0.01)",
         "05_paged_kv.ipynb",
         r"watermark, 0\.01 \([^)]*\), cuts preemptions from (?P<p0>[\d,]+) to (?P<p1>[\d,]+) and tokens prefilled "
         r"again from (?P<r0>[\d,]+) to (?P<r1>[\d,]+)", "{p0} → {p1}; {r0} → {r1}"),
-    Row("the first source article's \"paging saves 30–50% when lengths differ > 4×\" (batches of 8, max/min "
-        "> 4)",
+    Row("first source article: \"paging saves 30–50% at > 4× length spread\" (batches of 8)",
         "05_paged_kv.ipynb",
         r"saving from paging mean (?P<mean>\d+%), median \d+%, 10th–90th percentile (?P<lo>\d+%)–(?P<hi>\d+%); "
-        r"(?P<inside>\d+%) of them inside", "mean saving {mean} ({lo}–{hi}); {inside} of batches in 30–50%"),
-    Row("SmolLM2, INT8 cache, the same 6,132 held-out tokens (every second 512-token window): perplexity "
-        "change (95% bootstrap interval), teacher-forced greedy agreement", "06_int8_kv.ipynb",
+        r"(?P<inside>\d+%) of them inside", "mean {mean} ({lo}–{hi}); {inside} of batches in 30–50%"),
+    Row("SmolLM2 INT8 KV, 6,132 held-out tokens: perplexity change (95% CI); greedy agreement", "06_int8_kv.ipynb",
         r"int8 cache \(per token and head\): perplexity (?P<ppl>[-+\d.]+%) \(95% interval (?P<lo>[-+\d.]+%) to "
         r"(?P<hi>[-+\d.]+%): [^)]*\), greedy agreement (?P<agree>[\d.]+%)", "{ppl} ({lo} to {hi}), {agree}"),
-    Row("SmolLM2, the first source article's INT8 (one scale for a token's K and V, per stored token), the same "
-        "tokens: perplexity change (95% bootstrap interval); its claim is under 1%", "06_int8_kv.ipynb",
+    Row("first source article's INT8, one K+V scale per token: perplexity change (claim: < 1%)", "06_int8_kv.ipynb",
         r"source article, one K\+V scale per stored token: perplexity (?P<ppl>[-+\d.]+%) \(95% interval "
         r"(?P<lo>[-+\d.]+%) to (?P<hi>[-+\d.]+%): (?P<where>[^)]*)\)", "{ppl} ({lo} to {hi}; {where})"),
-    Row("SmolLM2, the first source article's INT8 (one scale for K and V over a 512-token window), the same "
-        "tokens: perplexity change (95% bootstrap interval); its claim is under 1%", "06_int8_kv.ipynb",
+    Row("the same, one K+V scale per 512-token window", "06_int8_kv.ipynb",
         r"source article, one K\+V scale per 512-token window: perplexity (?P<ppl>[-+\d.]+%) \(95% interval "
         r"(?P<lo>[-+\d.]+%) to (?P<hi>[-+\d.]+%): (?P<where>[^)]*)\)", "{ppl} ({lo} to {hi}; {where})"),
-    Row("SmolLM2 keys at 300 tokens, relative INT8 error: per channel vs per token", "06_int8_kv.ipynb",
+    Row("SmolLM2 keys, INT8 relative error: per channel vs per token", "06_int8_kv.ipynb",
         r"SmolLM2 at 300 tokens, mean over 30 layers, K relative error: per-channel (?P<c>[\d.]+) vs "
         r"per-token (?P<t>[\d.]+)", "{c} vs {t}"),
-    Row("tiny model, MHA → 4 / 2 / 1 K/V heads after 100 fine-tune steps (warm-up to 5e-4, cosine decay to 5e-5) "
-        "vs the MHA control fine-tuned alike (held-out nats/byte, every window)", "07_gqa.ipynb",
+    Row("tiny model, MHA → 4 / 2 / 1 K/V heads, 100 fine-tune steps, vs MHA fine-tuned alike (nats/byte)", "07_gqa.ipynb",
         r"= (?P<share>[\d.]+%) of the pre-training bytes.*?control \(MHA, fine-tuned alike\): (?P<ctl>[\d.]+) "
         r"nats/byte, original (?P<orig>[\d.]+).*?vs the control: H_KV = 4: (?P<g4>[\d.]+) \((?P<p4>[-+\d.]+%)\), "
         r"H_KV = 2: (?P<g2>[\d.]+) \((?P<p2>[-+\d.]+%)\), H_KV = 1: (?P<g1>[\d.]+) \((?P<p1>[-+\d.]+%)\)",
-        "{g4} / {g2} / {g1} vs control {ctl} ({p4} / {p2} / {p1}; original {orig}; budget {share} of the "
-        "pre-training bytes)"),
-    Row("SmolLM2, layer 15: the wrong head mapping h % 3 vs h // 3",
-        "07_gqa.ipynb", r"the wrong mapping h % 3 is off by up to (?P<err>[\d.]+)", "off by up to {err} (h // 3: agrees)"),
-    Row("40 requests, lengths 11× apart, same KV memory: engine steps, static vs continuous batching; "
-        "TTFT p99 in steps", "08a_serving_many_requests.ipynb",
+        "{g4} / {g2} / {g1} vs {ctl} ({p4} / {p2} / {p1})"),
+    Row("SmolLM2 layer 15: wrong head mapping h % 3 vs h // 3",
+        "07_gqa.ipynb", r"the wrong mapping h % 3 is off by up to (?P<err>[\d.]+)", "off by up to {err} (h // 3 agrees)"),
+    Row("tiny model, 40 requests: steps; TTFT p99 in steps (static vs continuous batching)", "08a_serving_many_requests.ipynb",
         r"steps: static (?P<s>\d+), continuous (?P<c>\d+); TTFT p99 in steps: static (?P<s99>\d+), continuous (?P<c99>\d+)",
         "{s} vs {c}; {s99} vs {c99}"),
-    Row("RAG-like load (30 requests, 3 shared documents): prompt tokens from the prefix cache; tokens "
-        "prefilled, with vs without", "08b_prefix_cache.ipynb",
+    Row("tiny model, RAG-like load: prompt tokens from the prefix cache; tokens prefilled with vs without", "08b_prefix_cache.ipynb",
         r"With prefix caching the engine served (?P<hit>[\d.]+%) of the prompt tokens from the cache and prefilled "
         r"(?P<a>[\d,]+) tokens instead of (?P<b>[\d,]+)", "{hit}; {a} vs {b}"),
-    Row("SmolLM2, 8 chat requests × 16 tokens, token-identical, 3 interleaved trials, tokens/s: kvlib / transformers "
-        "`generate_batch` / padded `generate`, serving only, then the whole call: median (min-max), pairs that separate",
+    Row("SmolLM2, 8 requests, 3 trials, median tokens/s: kvlib / `generate_batch` / padded `generate`",
         "08b_prefix_cache.ipynb",
         (r"serving only, tokens/s: kvlib (?P<ks>[\d.]+), generate_batch (?P<cbs>[\d.]+), padded generate (?P<sts>[\d.]+)",
          r"whole call, tokens/s: kvlib (?P<k>[\d.]+), generate_batch (?P<cb>[\d.]+), padded generate (?P<st>[\d.]+)",
@@ -123,75 +111,63 @@ ROWS = [
          r"padded generate (?P<stsr>[\d.]+-[\d.]+); separated: (?P<seps>[^\n]+)",
          r"whole call, min-max over \d+ trials: kvlib (?P<kr>[\d.]+-[\d.]+), generate_batch (?P<cbr>[\d.]+-[\d.]+), "
          r"padded generate (?P<stwr>[\d.]+-[\d.]+); separated: (?P<sepw>[^\n]+)"),
-        "serving {ks} / {cbs} / {sts} ({ksr} / {cbsr} / {stsr}; separated: {seps}); "
-        "whole call {k} / {cb} / {st} ({kr} / {cbr} / {stwr}; separated: {sepw})"),
-    Row("SmolLM2, full cache: perplexity on code (textwrap.py, 512 tokens scored) and passkey, 24 prompts of 160 "
-        "tokens, each with its own filler (full retrieval, 95% Wilson interval)", "09a_keeping_fewer_positions.ipynb",
+        "serving only {ks} / {cbs} / {sts} (separated: {seps}); whole call {k} / {cb} / {st} (separated: {sepw})"),
+    Row("SmolLM2 full cache: perplexity on code; passkey, 24 prompts of 160 tokens (95% CI)", "09a_keeping_fewer_positions.ipynb",
         r"full cache: perplexity (?P<p>[\d.]+) \[[\d.]+, [\d.]+\], passkey (?P<k>\d+/\d+ = \d+% \[\d+, \d+\])",
         "{p}; {k}"),
-    Row("SmolLM2, perplexity at 10% of the text: sliding window vs sinks + window, the same memory held "
-        "(time-averaged, share of fp16); full cache", "09a_keeping_fewer_positions.ipynb",
+    Row("10% of the text kept: perplexity, window vs sinks + window at equal memory held; full", "09a_keeping_fewer_positions.ipynb",
         (r"10% of the text: window perplexity (?P<w>[\d.]+), sinks \+ window (?P<s>[\d.]+), full (?P<f>[\d.]+)",
          r"sinks \+ window\s+0\.10\s+102\.0\s+(?P<m>[\d.]+)"),
         "{w} vs {s} at {m:.0%}; full {f}"),
-    Row("SmolLM2, passkey, 24 prompts of 160 tokens, at 50% of the prompt (the same memory held): SnapKV vs H2O, both "
-        "as their reference code runs them (the prompt read whole, compressed once)",
+    Row("passkey, 160 tokens, 50% kept, equal memory: SnapKV vs H2O as their code runs them",
         "09a_keeping_fewer_positions.ipynb",
         r"SnapKV 50% (?P<s>\d+/\d+ = \d+% \[\d+, \d+\]) vs H2O 50% (?P<h>\d+/\d+ = \d+% \[\d+, \d+\]): (?P<v>not separated|\S+ \S+ higher)",
         "{s} vs {h}: {v}"),
-    Row("SmolLM2, passkey, 24 prompts of 320 tokens, at 50% of the prompt (the same memory held): SnapKV vs H2O",
+    Row("the same at 320 tokens",
         "09a_keeping_fewer_positions.ipynb",
         r"SnapKV 50% at 320 tokens (?P<s>\d+/\d+ = \d+% \[\d+, \d+\]) vs H2O 50% at 320 tokens "
         r"(?P<h>\d+/\d+ = \d+% \[\d+, \d+\]): (?P<v>not separated|SnapKV 50% at 320 tokens higher|H2O 50% at 320 tokens higher)",
         "{s} vs {h}: {v}"),
-    Row("SmolLM2, SnapKV as published (the prompt compressed once, every decoded token kept) vs re-evicting (ours) at "
-        "25% of the text: perplexity ratio [95% paired bootstrap], memory held (time-averaged, share of fp16)",
+    Row("SnapKV as published vs re-evicting (ours), 25%: perplexity ratio [95% CI], memory held",
         "09a_keeping_fewer_positions.ipynb",
         r"25%: perplexity paper / ours (?P<r>[\d.]+) \[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]; memory (?P<mp>[\d.]+) vs (?P<mo>[\d.]+) of fp16",
         "{r} [{lo}, {hi}] at {mp:.0%} vs {mo:.0%}"),
-    Row("SmolLM2, memory held (time-averaged, % of fp16), perplexity, passkey (24 prompts, 95% Wilson interval): "
-        "INT8 / KIVI 2-bit, R = 32", "09b_keeping_fewer_bits.ipynb",
+    Row("INT8 / KIVI 2-bit: memory held (% of fp16), perplexity, passkey (95% CI)", "09b_keeping_fewer_bits.ipynb",
         (r"INT8 \(chapter 06\): held (?P<m8>[\d.]+%) of fp16 \(peak [\d.]+%\), perplexity (?P<p8>[\d.]+) \[[\d., ]+\]; "
          r"passkey (?P<k8>\d+/\d+ = \d+% \[\d+, \d+\])",
          r"KIVI 2-bit, R=32: held (?P<m2>[\d.]+%) of fp16 \(peak [\d.]+%\), perplexity (?P<p2>[\d.]+) \[[\d., ]+\]; "
          r"passkey (?P<k2>\d+/\d+ = \d+% \[\d+, \d+\])"),
         "{m8}, {p8}, {k8} / {m2}, {p2}, {k2}"),
-    Row("SmolLM2, 6 bits per number by layer (INT8 + INT4, equal bytes): INT8 on the most vs the least sensitive "
-        "layers, perplexity ratio (paired 95% interval)", "09b_keeping_fewer_bits.ipynb",
+    Row("6 bits by layer: INT8 on the most vs least sensitive layers, perplexity ratio [95% CI]", "09b_keeping_fewer_bits.ipynb",
         r"perplexity 6 bits: INT8 on the most sensitive / 6 bits: INT8 on the least sensitive: (?P<r>[\d.]+) "
         r"\[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]: (?P<v>not separated|6 bits: INT8 on the (?:most|least) sensitive lower)",
         "{r} [{lo}, {hi}]: {v}"),
-    Row("DeepSeek-V2 bytes per token (bf16): MLA vs MHA of the same heads", "09b_keeping_fewer_bits.ipynb",
+    Row("DeepSeek-V2 bytes/token (bf16): MLA vs MHA", "09b_keeping_fewer_bits.ipynb",
         r"DeepSeek-V2 caches (?P<m>[\d,]+) bytes per token with MLA, against (?P<h>[\d,]+) with MHA", "{m} vs {h}"),
-    Row("SmolLM2 over HTTP, GuideLLM at the high rate, 3 trials each: requests that met the latency target "
-        "(95% interval), load average: kvlib.serve vs `transformers serve`",
+    Row("GuideLLM, 3 trials: requests meeting the latency target (95% CI): kvlib.serve vs `transformers serve`",
         "10_http_serving.ipynb",
         (r"kvlib\.serve at (?P<r>[\d.]+) req/s: (?P<k>\d+ / \d+) requests met the target \(95% interval "
          r"(?P<kl>\d+)-(?P<kh>\d+%)\), load average (?P<kload>[\d.]+-[\d.]+)",
          r"transformers serve at [\d.]+ req/s: (?P<t>\d+ / \d+) requests met the target \(95% interval "
          r"(?P<tl>\d+)-(?P<th>\d+%)\), load average (?P<tload>[\d.]+-[\d.]+)"),
-        "at {r} req/s: {k} ({kl}–{kh}), load {kload} vs {t} ({tl}–{th}), load {tload}"),
-    Row("SmolLM2, speculative decoding by prompt lookup (token-identical), k = 8, ms per token in CPU time over "
-        "interleaved runs (range): code; the drafts accepted (α, 95% Wilson)", "11a_speculative_decoding.ipynb",
+        "at {r} req/s: {k} ({kl}–{kh}) vs {t} ({tl}–{th})"),
+    Row("speculation by prompt lookup, k = 8, on code: CPU ms/token (range); α (95% CI)", "11a_speculative_decoding.ipynb",
         (r"code, k = 8: (?P<s>[\d.]+–[\d.]+) vs plain (?P<p>[\d.]+–[\d.]+) ms/token: (?P<v>[a-z ]+)",
          r"code, k = 8: \d+ steps, alpha (?P<a>[\d.]+) (?P<ai>\[[\d.]+, [\d.]+\])"),
         "{s} vs plain {p} ({v}); α {a} {ai}"),
-    Row("SmolLM2, passkey on 20 prompts of 256 tokens: Quest (64 tokens) vs the strongest eviction at equal bytes "
-        "read, question in the prompt / after caching (95% Wilson)", "11b_sparse_reads_and_hybrid_layers.ipynb",
+    Row("passkey, 256 tokens: Quest vs the best eviction at equal bytes read; question in prompt / after", "11b_sparse_reads_and_hybrid_layers.ipynb",
         (r"Quest, question in the prompt (?P<q>\d+/\d+ = \d+% \[\d+, \d+\]) vs SnapKV (?P<s>\d+/\d+ = \d+% \[\d+, \d+\]): "
          r"(?P<v1>[^\n]+)",
          r"Quest, question after caching (?P<ql>\d+/\d+ = \d+% \[\d+, \d+\]) vs (?P<e>[a-zA-Z +]+?) "
          r"(?P<el>\d+/\d+ = \d+% \[\d+, \d+\]): (?P<v2>[^\n]+)"),
         "{q} vs SnapKV {s} ({v1}); {ql} vs {e} {el} ({v2})"),
-    Row("SmolLM2, a 5:1 window/full plan after training (W = 128): perplexity without / with 4 attention sinks "
-        "(full cache)", "11b_sparse_reads_and_hybrid_layers.ipynb",
+    Row("5:1 window/full layers (W = 128): perplexity without / with 4 sinks (full)", "11b_sparse_reads_and_hybrid_layers.ipynb",
         r"5:1, W = 128: perplexity (?P<a>[\d.]+) without sinks, (?P<b>[\d.]+) with 4 sinks, full cache (?P<f>[\d.]+)",
         "{a} / {b} ({f})"),
-    Row("SmolLM2, 16 greedy tokens on 3 gloo processes: tensor parallelism (tp = 3) / decode context parallelism "
-        "(cp = 3) token-identical to one process", "12a_sharding_the_cache.ipynb",
+    Row("SmolLM2 on 3 processes: tp = 3 / cp = 3 token-identical to one", "12a_sharding_the_cache.ipynb",
         (r"tp = 3 token-identical on every rank: (?P<tp>True|False)",
          r"cp = 3 token-identical on every rank: (?P<cp>True|False)"), "{tp} / {cp}"),
-    Row("tiny model, 2 engine replicas on a RAG-like trace: prefix hit rate, round-robin / prefix router",
+    Row("tiny model, 2 replicas: prefix hit rate, round-robin / prefix router",
         "12b_moving_the_cache.ipynb",
         r"prefix hit rate: round-robin (?P<rr>[\d.]+%), prefix router (?P<p>[\d.]+%)", "{rr} / {p}"),
 ]
