@@ -225,3 +225,79 @@ def test_a_drop_out_of_range_is_refused_by_name(model, bad):
     with pytest.raises(ValueError, match="drop must return an int"):
         engine.run()
     assert engine.cache.lens[rid] == engine.requests[rid].computed
+
+
+def test_memory_at_counts_on_a_stand_in_the_blocks_the_model_itself_holds(model):
+    """The judge counts blocks on a small random model (which blocks are held depends on positions only) and prices
+    them at the model's bytes per block: the same figures as serving the prompt through the model itself."""
+    for d in (dict(block_size=4, budget=12, rule="sinks + window"), dict(block_size=4, budget=8, rule="window"),
+              dict(block_size=4, budget=None, rule="none")):
+        fac = capstone.factory(capstone.PagedInt8Cache, d)
+        got = capstone.memory_at(model, fac, lengths=(10, 37), block_size=4, chunk=8)
+        for L in (10, 37):
+            cache = fac(model, -(-(L + 4) // 4) + 2, 4)
+            seq = capstone.serve_one(model, cache, L, 8, 4)
+            assert got[L] == capstone.held_bytes(seq.blocks, capstone.bytes_per_block(cache) + 4, L, 8)
+
+
+def _text_and_prompts(model, seed=0):
+    from kvlib.course.ch09 import Passkey
+
+    g, V = torch.Generator().manual_seed(seed), model.config.vocab_size
+    text = torch.randint(0, V, (1, 96), generator=g)
+    prompts = [Passkey(ids=torch.randint(0, V, (20,), generator=g).tolist(), key=i, answer=[i % V, (i + 1) % V],
+                       needle=range(2, 4), depth=0.1, filler=i) for i in range(5)]
+    return text, prompts
+
+
+def test_one_prefill_serves_every_reference_build_bit_for_bit(model):
+    text, _ = _text_and_prompts(model)
+    for d in (dict(block_size=4, budget=None, rule="none"), dict(block_size=4, budget=12, rule="window"),
+              dict(block_size=4, budget=12, rule="sinks + window"), dict(block_size=4, budget=20, rule="sinks + window")):
+        fresh = capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, d), text, None, 4)
+        shared = capstone.reference_perplexity(model, text, d)
+        assert torch.equal(shared["nll"], fresh["nll"]) and shared["perplexity"] == fresh["perplexity"]
+    assert len(capstone._PREFILL["rows"]) == 4
+    with torch.no_grad():
+        model.norm.weight.mul_(1.0)  # an in-place change of the weights: the prefill is made again
+    d = dict(block_size=4, budget=12, rule="window")
+    assert torch.equal(capstone.reference_perplexity(model, text, d)["nll"],
+                       capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, d), text, None, 4)["nll"])
+    assert len(capstone._PREFILL["rows"]) == 1
+
+
+class _PerTensor(capstone.PagedInt8Cache):
+    @staticmethod
+    def store(codes, scales, rows, slots):  # one scale for everything: not the reference's codes
+        from kvlib.quant import quantize_int8
+
+        q, s = quantize_int8(rows, dim=None)
+        H_KV, D = codes.shape[2:]
+        codes.view(-1, H_KV, D)[slots] = q
+        scales.view(-1, H_KV)[slots] = s.reshape(1, 1).to(scales.dtype).expand(len(slots), H_KV)
+
+
+def test_the_reference_shares_your_run_only_when_every_attention_output_is_equal(model):
+    text, prompts = _text_and_prompts(model)
+    d = dict(block_size=4, budget=12, rule="sinks + window")
+    ref_fac = capstone.factory(capstone.PagedInt8Cache, d)
+    alone = capstone.quality(model, ref_fac, text, prompts, 4)
+    same = type("Same", (capstone.PagedInt8Cache,), {"store": staticmethod(capstone.store_int8)})
+    yours, ref = capstone.quality_pair(model, capstone.factory(same, d), ref_fac, text, prompts, 4)
+    assert ref is not None and torch.equal(ref["nll"], alone["nll"]) and ref["retrieved"] == alone["retrieved"]
+    assert ref["passkey_k"] == alone["passkey_k"] and torch.equal(yours["nll"], alone["nll"])
+    yours, ref = capstone.quality_pair(model, capstone.factory(_PerTensor, d), ref_fac, text, prompts, 4)
+    assert ref is None and not torch.equal(yours["nll"], alone["nll"])
+
+
+def test_the_judge_measures_the_reference_on_its_own_when_the_builds_differ(model, monkeypatch):
+    text, prompts = _text_and_prompts(model)
+    d = dict(block_size=4, budget=12, rule="sinks + window")
+    fake = lambda m, t, builds, **kw: {n: {"ttft_ms": [1.0, 2.0], "itl_ms": [1.0, 2.0]} for n in builds}  # noqa: E731
+    monkeypatch.setattr(capstone, "latency", fake)
+    alone = capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, d), text, prompts, 4)
+    for cls, how in ((capstone.PagedInt8Cache, "your run"), (_PerTensor, "its own run")):
+        out = capstone.judge(model, None, capstone.factory(cls, d), d, text=text, prompts=prompts, lengths=(20,))
+        assert out["reference"]["quality from"].startswith(how)
+        assert torch.equal(out["reference"]["nll"], alone["nll"]) and out["reference"]["retrieved"] == alone["retrieved"]
+        assert out["yours"]["memory"] == out["reference"]["memory"]

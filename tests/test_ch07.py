@@ -88,6 +88,10 @@ def test_conversion_quality_table_and_figure():
     assert "3 steps of 2 x 16 bytes = 2.50% of the pre-training bytes" in line  # 96 / 3,840 bytes
     assert "would be 6 steps of this batch" in line  # 5% of 3,840 bytes in batches of 32
     assert all(len(part.split()) <= 30 for part in line.splitlines())  # the form: short printed lines
+    assert "held out: all 9 windows of 128 bytes" in line
+    few = ch07.conversion_quality(mha, ids, ids, heads=(1,), steps=1, batch=2, seq=16, warmup=1, windows=4)
+    assert (few.attrs["windows"], few.attrs["all_windows"]) == (4, 9)
+    assert "held out: 4 evenly spaced of its 9 windows of 128 bytes" in ch07.budget_line(few, log)
     fig = ch07.plot_quality(t, unigram=3.0)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert sum("after the fine-tune" in s for s in labels) == 1 and sum("control" in s for s in labels) == 1

@@ -35,12 +35,12 @@ import torch
 
 from ..paged import PagedKVCache, RaggedBatch
 from ..quant import quantize_int8
-from ..ragged import ragged_paged_attention_ref
+from ..ragged import RaggedPlan, ragged_paged_attention_ref
 from ..stats import separated, wilson
 
 __all__ = ["store_int8", "load_int8", "drop_blocks", "PagedInt8Cache", "RULES", "factory", "OneSequence",
            "bytes_per_block", "server_bytes", "serve_one", "held_bytes", "memory_at", "served_memory", "quality",
-           "latency", "judge", "report", "rule_evidence",
+           "quality_pair", "reference_perplexity", "latency", "judge", "report", "rule_evidence",
            "best_rules", "budget_evidence", "best_budget", "held_while_decoding", "block_evidence", "best_block",
            "check_decision"]
 
@@ -177,6 +177,10 @@ class _Int8Ragged(RaggedBatch):
         shift = torch.tensor([c.dropped[s] for s, n in zip(self.seq_ids, self.counts) for _ in range(n)],
                              device=self.positions.device)
         self.positions = self.positions + shift[None]
+        # the blocks a forward reads and its tables renumbered over them: the same for every layer, so worked out
+        # once per forward (with the attention's plan, made by the first layer), not once per layer
+        used, local = torch.unique(self.tables.clamp(min=0).long(), return_inverse=True)
+        self.used, self.local_tables = used, torch.where(self.tables >= 0, local, -1).to(torch.int32)
 
     def attend(self, layer_idx, q, k, v):
         c = self.cache
@@ -184,12 +188,12 @@ class _Int8Ragged(RaggedBatch):
             raise ValueError(f"this ragged view was already {self.state}: make a new one per forward")
         c.store(c.k[layer_idx], c.k_scale[layer_idx], k[0].transpose(0, 1), self.slots)  # rows (N, H_KV, D)
         c.store(c.v[layer_idx], c.v_scale[layer_idx], v[0].transpose(0, 1), self.slots)
-        used, local = torch.unique(self.tables.clamp(min=0).long(), return_inverse=True)  # the blocks read
-        tables = torch.where(self.tables >= 0, local, -1).to(torch.int32)
-        k_blocks = c.load(c.k[layer_idx], c.k_scale[layer_idx], used, q.dtype)  # (n, block_size, H_KV, D)
-        v_blocks = c.load(c.v[layer_idx], c.v_scale[layer_idx], used, q.dtype)
-        out = ragged_paged_attention_ref(q[0].transpose(0, 1), k_blocks, v_blocks, tables, self.cu_seqlens,
-                                         self.seq_lens)
+        k_blocks = c.load(c.k[layer_idx], c.k_scale[layer_idx], self.used, q.dtype)  # (n, block_size, H_KV, D)
+        v_blocks = c.load(c.v[layer_idx], c.v_scale[layer_idx], self.used, q.dtype)
+        args = (q[0].transpose(0, 1), k_blocks, v_blocks, self.local_tables, self.cu_seqlens, self.seq_lens)
+        if self._plan is None:  # checked and laid out by the first layer (a load of another shape is refused)
+            self._plan = RaggedPlan(*args)
+        out = ragged_paged_attention_ref(*args, plan=self._plan)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
 
     def commit(self):
@@ -311,15 +315,22 @@ def memory_at(model, cache_factory, lengths=(256, 1024), block_size: int = 16, c
     served as the engine serves it (``serve_one``: chunks of ``chunk``, then ``n_tokens`` decode steps, default one
     block's worth, so the mean covers whole cycles of eviction), counted during every forward, after the new tokens'
     blocks are reserved and before eviction gives any back: what the server's pool must hold. ``"fp16"``: {length: a
-    plain fp16 cache's bytes}, for scale."""
+    plain fp16 cache's bytes}, for scale.
+
+    The blocks held are counted on the cache ``cache_factory`` builds for a small random model (as ``served_memory``
+    does: which blocks a sequence holds depends on its positions, not on the K/V values, for every rule of
+    ``RULES``), and priced at the bytes per block of the cache ``cache_factory`` builds for ``model`` (every pool of
+    the live object, + the block table entry). ``tests/test_capstone.py`` checks that the counts equal those of a
+    run on another model."""
     from ..footprint import fp16_cache_bytes
 
     n_tokens = n_tokens or block_size
+    tiny = _tiny_model()
     out, fp16 = {}, {}
     for L in lengths:
-        cache = cache_factory(model, -(-(L + n_tokens) // block_size) + 2, block_size)
-        seq = serve_one(model, cache, L, chunk, n_tokens)
-        out[L] = held_bytes(seq.blocks, bytes_per_block(cache) + 4, L, chunk)
+        n_blocks = -(-(L + n_tokens) // block_size) + 2
+        seq = serve_one(tiny, cache_factory(tiny, n_blocks, block_size), L, chunk, n_tokens)
+        out[L] = held_bytes(seq.blocks, bytes_per_block(cache_factory(model, n_blocks, block_size)) + 4, L, chunk)
         fp16[L] = fp16_cache_bytes(model.config, L)
     out["fp16"] = fp16
     return out
@@ -334,21 +345,125 @@ def quality(model, cache_factory, text, prompts, block_size: int) -> dict:
     """Perplexity of ``text`` (1, N) with its block-bootstrap interval and per-token NLL, and passkey k / n on
     ``prompts`` with the Wilson interval, each through a fresh cache (chapter 09's ``perplexity``, ``score_passkey``,
     batch 1), the pool sized for the task."""
+    return _quality(model, lambda n_blocks: OneSequence(cache_factory(model, n_blocks, block_size)), text, prompts,
+                    block_size)
+
+
+def _quality(model, make_seq, text, prompts, block_size: int, score_model=None) -> dict:
+    """``quality`` with ``make_seq(num_blocks)`` -> a fresh cache for one sequence; ``score_model``: what
+    ``ch09.perplexity`` calls as the model (``_Prefilled``), default ``model``."""
     from . import ch09
 
     row = {}
     if text is not None:
-        seq = OneSequence(cache_factory(model, -(-text.shape[1] // block_size) + 2, block_size))
-        ppl, nll = ch09.perplexity(model, seq, text)
+        ppl, nll = ch09.perplexity(score_model or model, make_seq(-(-text.shape[1] // block_size) + 2), text)
         lo, hi = ch09.ppl_interval(nll)
         row.update(perplexity=ppl, ppl_low=lo, ppl_high=hi, nll=nll)
     if prompts:
         n_blocks = -(-(len(prompts[0].ids) + len(prompts[0].answer)) // block_size) + 2
-        pk = ch09.score_passkey(model, lambda b: OneSequence(cache_factory(model, n_blocks, block_size)), prompts,
-                                batch=1, grows=lambda n: 0.0)
+        pk = ch09.score_passkey(model, lambda b: make_seq(n_blocks), prompts, batch=1, grows=lambda n: 0.0)
         row.update(passkey_k=pk["k"], passkey_n=pk["n"], passkey_low=pk["interval"][0],
                    passkey_high=pk["interval"][1], retrieved=pk["retrieved"])
     return row
+
+
+class _Twin:
+    """Your build and the reference build in one run: every forward goes through your cache, and, while they agree,
+    through the reference's too, with the same q, k, v. If every attention output of every layer and forward is equal
+    bit for bit (``torch.equal``), and so are the blocks and positions held after each forward, then a run of the
+    reference alone would have fed the model the very same numbers at every step: its perplexity and passkey answers
+    are yours. Any difference (or an error in the reference's step) sets ``same`` to False, and the reference is
+    measured on its own."""
+
+    def __init__(self, yours: OneSequence, reference: OneSequence):
+        self.yours, self.reference, self.same = yours, reference, True
+
+    @property
+    def seq_lens(self):
+        return self.yours.seq_lens
+
+    def attend(self, layer_idx, q, k, v):
+        out = self.yours.attend(layer_idx, q, k, v)
+        if self.same:
+            try:
+                self.same = torch.equal(out, self.reference.attend(layer_idx, q, k, v))
+            except Exception:  # noqa: BLE001 - the reference refused what yours took: not the same build
+                self.same = False
+            y, r = self.yours, self.reference
+            if self.same and layer_idx == len(y.cache.k) - 1:
+                self.same = (len(y.cache.tables[y.seq_id]), y.cache.lens[y.seq_id], int(y.seq_lens[0])) == (
+                    len(r.cache.tables[r.seq_id]), r.cache.lens[r.seq_id], int(r.seq_lens[0]))
+        return out
+
+
+def quality_pair(model, cache_factory, reference_factory, text, prompts, block_size: int) -> tuple:
+    """``quality`` of your build, and of the reference build where it is provably the same run -> (yours, reference
+    or None). Your run drives the reference's cache beside yours (``_Twin``); where every attention output agreed bit
+    for bit, the reference's figures are that run's; otherwise None: measure the reference on its own."""
+    twins = []
+
+    def make_seq(n_blocks):
+        twins.append(_Twin(OneSequence(cache_factory(model, n_blocks, block_size)),
+                           OneSequence(reference_factory(model, n_blocks, block_size))))
+        return twins[-1]
+
+    yours = _quality(model, make_seq, text, prompts, block_size)
+    return yours, dict(yours) if twins and all(t.same for t in twins) else None
+
+
+# Chapter 09's perplexity prefills the first half of the text in one call; the reference cache evicts only after a
+# forward, so every reference build with the same block size holds the same K/V after that call and predicts the
+# same next token from it. One prefill serves them all: the evidence tables fork it (a deep copy of the cache and
+# its sequence), let each build's eviction run, and score the second half through each. Kept for the last model
+# (weights unchanged: the parameters' version counters) and text; with each build's result, so a configuration
+# that two tables show is measured once. tests/test_capstone.py checks both against fresh runs, bit for bit.
+_PREFILL: dict = {}
+
+
+class _Prefilled:
+    """The model as ``ch09.perplexity`` calls it, whose first call (the prefill of ``ids``) returns ``logits``,
+    computed once before; every other call is the model's."""
+
+    def __init__(self, model, ids, logits):
+        self.model, self.ids, self.logits = model, ids, logits
+
+    def __call__(self, ids, **kw):
+        if self.logits is not None and torch.equal(ids, self.ids) and kw.get("logits_to_keep") == 1:
+            out, self.logits = self.logits, None
+            return out
+        return self.model(ids, **kw)
+
+
+def _same_state(model, text, block_size) -> bool:
+    m = _PREFILL.get("model")
+    return (m is not None and m() is model and _PREFILL["versions"] == [p._version for p in model.parameters()]
+            and _PREFILL["block_size"] == block_size and torch.equal(_PREFILL["text"], text))
+
+
+@torch.no_grad()
+def reference_perplexity(model, text, decisions: dict) -> dict:
+    """``quality(model, factory(PagedInt8Cache, decisions), text, None, block_size)``, with chapter 09's prefill
+    computed once for every reference build of that block size (see ``_PREFILL``), and each build once."""
+    import copy
+    import weakref
+
+    bs = int(decisions["block_size"])
+    key = (decisions["rule"], None if decisions["rule"] == "none" else int(decisions["budget"]))
+    fresh = factory(PagedInt8Cache, decisions)(model, -(-text.shape[1] // bs) + 2, bs)  # checks the decisions
+    if not _same_state(model, text, bs):
+        donor = OneSequence(PagedInt8Cache.for_model(model, -(-text.shape[1] // bs) + 2, bs))
+        logits = model(text[:, : text.shape[1] // 2], cache=donor, logits_to_keep=1)
+        _PREFILL.clear()
+        _PREFILL.update(model=weakref.ref(model), versions=[p._version for p in model.parameters()], block_size=bs,
+                        text=text.clone(), donor=donor, logits=logits, rows={})
+    if key not in _PREFILL["rows"]:
+        seq = copy.deepcopy(_PREFILL["donor"])
+        seq.cache.budget, seq.cache.sink_blocks = fresh.budget, fresh.sink_blocks
+        seq.cache.evict(seq.seq_id)  # what this build's eviction does once the prefill's forward is committed
+        _PREFILL["rows"][key] = _quality(model, lambda n: seq, text, None, bs,
+                                         score_model=_Prefilled(model, text[:, : text.shape[1] // 2],
+                                                                _PREFILL["logits"]))
+    return dict(_PREFILL["rows"][key])
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +494,7 @@ def _per_request(report) -> dict:
     return out
 
 
-def latency(model, tok, builds: dict, *, requests: int = 6, rate: float = 0.5, prompt_tokens: int = 64,
+def latency(model, tok, builds: dict, *, requests: int = 4, rate: float = 0.5, prompt_tokens: int = 64,
             output_tokens: int = 8, num_blocks: int = 64) -> dict:
     """Latency under load of several builds at once: ``builds`` {name: (cache_factory, decisions)}; each gets its own
     ``kvlib.serve.Server`` (the same model), all up together, and one GuideLLM run per server (a constant ``rate``
@@ -469,23 +584,35 @@ def _threads_load(servers: dict, requests, rate, prompt_tokens, output_tokens) -
 # --------------------------------------------------------------------------------------------
 
 
-def _measure(model, cache_factory, decisions, text, prompts, lengths) -> dict:
-    bs = int(decisions["block_size"])
-    out = {"decisions": dict(decisions), "memory": memory_at(model, cache_factory, lengths, bs)}
-    out.update(quality(model, cache_factory, text, prompts, bs))
-    return out
-
-
 def judge(model, tok, cache_factory, decisions: dict, *, reference_factory=None, reference_decisions=None,
           text=None, prompts=None, lengths=(256, 1024), load_kw=None) -> dict:
     """Measure your build (``cache_factory`` with ``decisions``) and the reference build (``PagedInt8Cache`` with
     ``reference_decisions``, default yours) on the same instruments -> {"yours": ..., "reference": ...} for
-    ``report``: memory and quality one build after the other, latency for both at once (``latency``). ``text``: (1, N)
-    token ids for perplexity; ``prompts``: chapter 09 passkey prompts; ``load_kw``: ``latency``'s options."""
+    ``report``: memory of each (``memory_at``), quality (``quality_pair``: where the decisions are the same, your run
+    drives the reference's cache beside yours and its figures are the reference's if every attention output agreed
+    bit for bit; otherwise the reference is measured on its own, its perplexity through ``reference_perplexity`` when
+    it is the default reference build), latency for both at once (``latency``). ``result["reference"]["quality from"]``
+    says which. ``text``: (1, N) token ids for perplexity; ``prompts``: chapter 09 passkey prompts; ``load_kw``:
+    ``latency``'s options."""
     reference_decisions = dict(reference_decisions or decisions)
+    default_reference = reference_factory is None
     reference_factory = reference_factory or factory(PagedInt8Cache, reference_decisions)
-    out = {"yours": _measure(model, cache_factory, decisions, text, prompts, lengths),
-           "reference": _measure(model, reference_factory, reference_decisions, text, prompts, lengths)}
+    bs, ref_bs = int(decisions["block_size"]), int(reference_decisions["block_size"])
+    out = {"yours": {"decisions": dict(decisions), "memory": memory_at(model, cache_factory, lengths, bs)},
+           "reference": {"decisions": dict(reference_decisions),
+                         "memory": memory_at(model, reference_factory, lengths, ref_bs)}}
+    if dict(decisions) == reference_decisions:
+        yours, ref = quality_pair(model, cache_factory, reference_factory, text, prompts, bs)
+    else:
+        yours, ref = quality(model, cache_factory, text, prompts, bs), None
+    how = "your run: every attention output equal to the reference build's, bit for bit"
+    if ref is None and default_reference and text is not None:
+        ref, how = ({**reference_perplexity(model, text, reference_decisions),
+                     **quality(model, reference_factory, None, prompts, ref_bs)}, "its own run")
+    elif ref is None:
+        ref, how = quality(model, reference_factory, text, prompts, ref_bs), "its own run"
+    out["yours"].update(yours)
+    out["reference"].update(ref, **{"quality from": how})
     lat = latency(model, tok, {"yours": (cache_factory, decisions), "reference": (reference_factory,
                                                                                reference_decisions)}, **(load_kw or {}))
     for name in out:
@@ -599,14 +726,15 @@ def rule_evidence(model, text, target_bytes: int, budget: int = 64, block_size: 
     """Each rule of ``RULES`` at ``budget`` positions, blocks of ``block_size``: bytes per sequence as the server holds
     them for a 1,024-token prompt (``served_memory``: prefill in chunks of ``chunk``, then decode; the most during a
     decode step is what ``target_bytes`` applies to), and perplexity on ``text`` through the reference cache with its
-    interval (and the NLL, for paired intervals) -> DataFrame indexed by rule."""
+    interval (and the NLL, for paired intervals; ``reference_perplexity``: one prefill for every build) -> DataFrame
+    indexed by rule."""
     import pandas as pd
 
     rows = {}
     for rule in RULES:
         d = dict(block_size=block_size, budget=budget, rule=rule)
         m = served_memory(model, d, chunk=chunk)
-        q = quality(model, factory(PagedInt8Cache, d), text, None, block_size)
+        q = reference_perplexity(model, text, d)
         rows[rule] = {**_memory_columns(m), "meets target": m["decode peak"] <= target_bytes,
                       "perplexity": q["perplexity"], "ppl low": q["ppl_low"], "ppl high": q["ppl_high"], "nll": q["nll"]}
     return pd.DataFrame.from_dict(rows, orient="index")
@@ -622,12 +750,14 @@ def best_rules(evidence) -> list:
     return [r for r in ok.index if r == best or ch09.ppl_ratio_interval(ok.loc[r, "nll"], ok.loc[best, "nll"])[1] <= 1]
 
 
-def budget_evidence(model, text, target_bytes: int, budgets=(48, 64, 80, 96), block_size: int = 16,
-                    chunk: int = 128):
+def budget_evidence(model, target_bytes: int, budgets=(48, 64, 80, 96), block_size: int = 16, chunk: int = 128,
+                    text=None):
     """Sinks + window at each budget: bytes per sequence as the server holds them (``served_memory``: after a decode
     step, the most during one, the mean over the steps, the most during the prefill in chunks of ``chunk``), what a
-    count of the budget's positions at fp16 and at int8 codes alone would say, whether the decode peak meets
-    ``target_bytes``, and perplexity with its interval -> DataFrame indexed by budget."""
+    count of the budget's positions at fp16 and at int8 codes alone would say, and whether the decode peak meets
+    ``target_bytes`` (the budget decision reads memory only) -> DataFrame indexed by budget. With ``text``, each
+    budget's perplexity too (``reference_perplexity``: a build that ``rule_evidence`` measured is not measured
+    again)."""
     import pandas as pd
 
     from ..footprint import fp16_cache_bytes
@@ -636,11 +766,12 @@ def budget_evidence(model, text, target_bytes: int, budgets=(48, 64, 80, 96), bl
     for b in budgets:
         d = dict(block_size=block_size, budget=b, rule="sinks + window")
         m = served_memory(model, d, chunk=chunk)
-        q = quality(model, factory(PagedInt8Cache, d), text, None, block_size)
         rows[b] = {**_memory_columns(m), "fp16 count KiB": fp16_cache_bytes(model.config, b) / 1024,
                    "int8 codes count KiB": fp16_cache_bytes(model.config, b) / 2 / 1024,
-                   "meets target": m["decode peak"] <= target_bytes, "perplexity": q["perplexity"],
-                   "ppl low": q["ppl_low"], "ppl high": q["ppl_high"]}
+                   "meets target": m["decode peak"] <= target_bytes}
+        if text is not None:
+            q = reference_perplexity(model, text, d)
+            rows[b].update({"perplexity": q["perplexity"], "ppl low": q["ppl_low"], "ppl high": q["ppl_high"]})
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("budget")
 
 

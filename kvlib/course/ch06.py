@@ -318,7 +318,9 @@ def _window_nll(model, x, make_cache, per_call: int = 2):
     nll, top = [], []
     for chunk in x.split(per_call):
         logits = model(chunk, cache=None if make_cache is None else make_cache(len(chunk))).float()
-        nll.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), chunk[:, 1:], reduction="none").cpu())
+        # the vocabulary as the last, contiguous axis: 3-4x faster on a CPU than cross_entropy over a (B, V, T) view
+        nll.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), chunk[:, 1:].flatten(), reduction="none")
+                   .view(len(chunk), -1).cpu())
         top.append(logits[:, :-1].argmax(-1).cpu())
         del logits
     return torch.cat(nll), torch.cat(top)

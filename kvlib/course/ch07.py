@@ -303,11 +303,13 @@ def conversion_quality(model, train_ids, val_ids, heads=(4, 2, 1), *, steps=100,
     beside a control: the MHA model fine-tuned the same way on the same batches (seed 0). Held-out loss
     (nats/byte over ``windows`` evenly spaced windows of 128 bytes; None: every window) before and after, greedy
     agreement with the original on a held-out window of 512 bytes, and the change after the fine-tune against
-    the original and against the control. Returns a DataFrame, one row per model: original, control, conversions."""
+    the original and against the control. Returns a DataFrame, one row per model: original, control, conversions;
+    its attrs hold the protocol (``windows`` evaluated of ``all_windows``)."""
     probe = val_ids[:513][None]
     with torch.no_grad():
         ref_next = model(probe).argmax(-1)
-    n_windows = (len(val_ids) - 1) // 128 if windows is None else windows
+    all_windows = (len(val_ids) - 1) // 128
+    n_windows = all_windows if windows is None else min(windows, all_windows)
     tune = dict(steps=steps, batch=batch, seq_len=seq, peak_lr=peak_lr, end_lr=end_lr, warmup=warmup, progress=progress)
 
     def scores(m):
@@ -335,7 +337,7 @@ def conversion_quality(model, train_ids, val_ids, heads=(4, 2, 1), *, steps=100,
     table["after vs original (%)"] = 100 * (table["val loss after"] - loss0) / loss0
     table["after vs control (%)"] = 100 * (table["val loss after"] - control_loss) / control_loss
     table.attrs.update(steps=steps, batch=batch, seq=seq, peak_lr=peak_lr, end_lr=end_lr, warmup=warmup,
-                       windows=n_windows)
+                       windows=n_windows, all_windows=all_windows)
     return table
 
 
@@ -344,13 +346,16 @@ def budget_line(table, log) -> str:
     share; the rate schedule and the held-out windows; and how many steps of this batch the GQA paper's uptraining share (5% of the pre-training steps,
     with the pre-training batch) would take."""
     a = table.attrs
+    every = a.get("all_windows", a["windows"])
+    held = (f"all {every} windows of 128 bytes" if a["windows"] == every else
+            f"{a['windows']} evenly spaced of its {every} windows of 128 bytes")
     tuned = a["steps"] * a["batch"] * a["seq"]
     pre = log["steps"] * log["batch"] * log["seq_len"]
     paper_steps = round(PAPER_UPTRAIN_SHARE * pre / (a["batch"] * a["seq"]))
     return (f"budget: {a['steps']} steps of {a['batch']} x {a['seq']} bytes = {100 * tuned / pre:.2f}% of the "
             f"pre-training bytes ({log['steps']:,} steps of {log['batch']} x {log['seq_len']})\n"
             f"rate: warm-up {a['warmup']} steps to {a['peak_lr']:.0e}, cosine decay to {a['end_lr']:.0e}; "
-            f"held out: all {a['windows']} windows of 128 bytes\n"
+            f"held out: {held}\n"
             f"the GQA paper's uptraining ({PAPER_UPTRAIN_SHARE:.0%} of the pre-training steps at the pre-training "
             f"batch) would be {paper_steps:,} steps of this batch")
 
