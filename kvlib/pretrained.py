@@ -28,14 +28,42 @@ Only safetensors and GGUF are read: no pickle anywhere.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 from .checkpoint import (_DEQUANT, PRETRAINED, QK, SUPPORTED_TENSOR_TYPES, CheckpointError,  # noqa: F401
                          Pretrained, Tokenizer, _gguf_to_ours, cache_dir, converted_path, dequantize, gguf_config,
                          gguf_path, gguf_reader, gguf_state_dict, unpermute_rope_rows)
 from .model import ModelConfig, load_gguf, load_pretrained
 
-__all__ = ["Tokenizer", "load_gguf", "load_pretrained", "dequantize", "PRETRAINED", "cache_dir", "converted_path"]
+__all__ = ["Tokenizer", "load_gguf", "load_pretrained", "dequantize", "PRETRAINED", "cache_dir", "converted_path",
+           "gguf_parsed_once"]
 
 
 def config_from_gguf(reader, source: str = "GGUF") -> ModelConfig:
     """The ModelConfig of a Llama-architecture GGUF file, from its ``llama.*`` metadata."""
     return ModelConfig(**gguf_config(reader, source))
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While open, the ``gguf`` package parses each file once: ``transformers``' GGUF loader reads a file three times
+    (config, tokenizer, weights, the whole vocabulary each time) and rebuilds gguf's tensor-name table for every one
+    of the model's submodules, most of its load time. ``GGUFReader`` and ``get_tensor_name_map`` are read-only
+    functions of their arguments, so they are memoized inside the block; transformers still does every step of its
+    own conversion and gives the same tensors. Without ``gguf`` installed the block does nothing.
+
+    >>> with gguf_parsed_once():
+    ...     pass
+    """
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = functools.cache(saved[0]), functools.cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved

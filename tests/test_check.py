@@ -1258,6 +1258,16 @@ def _learner_stream(mistake=""):
     return stream_events
 
 
+@pytest.fixture(scope="module")
+def lab10_stream(lab10):
+    """The stream_events reference and each known wrong generator's transcript, computed once for the module
+    (a wrong generator that stops sending waits out stream_transcript's timeout, 2 s, each time it runs):
+    (reference, {diagnosis: transcript}), the same values check_lines would compute from the lambdas."""
+    scenarios, detok = lab10["STREAM_SCENARIOS"], lab10["make_detok"]
+    variants = mistakes.stream_events(scenarios, detok)
+    return mistakes.stream_reference(scenarios, detok), {what: wrong() for what, wrong in variants.items()}
+
+
 @pytest.mark.parametrize("mistake, words", [
     ("abort on None only", "not in a finally: block"),
     ("never abort", "abort() is never called"),
@@ -1269,12 +1279,13 @@ def _learner_stream(mistake=""):
     ("skip empty", "whose text is empty was not sent"),
     ("empty rest", "the rest was sent even when it was empty"),
 ])
-def test_lab10_stream_events_mistakes(lab10, mistake, words):
+def test_lab10_stream_events_mistakes(lab10, lab10_stream, mistake, words):
     scenarios, detok = lab10["STREAM_SCENARIOS"], lab10["make_detok"]
-    ref = mistakes.stream_reference(scenarios, detok)
+    ref, variants = lab10_stream
+    assert ref == mistakes.stream_reference(scenarios, detok)  # the reference is the same on every run
     assert check_lines(mistakes.stream_transcript(_learner_stream(), scenarios, detok), ref)
     mine = mistakes.stream_transcript(_learner_stream(mistake), scenarios, detok)
-    diagnosed(lambda: check_lines(mine, ref, mistakes=mistakes.stream_events(scenarios, detok)), words)
+    diagnosed(lambda: check_lines(mine, ref, mistakes=variants), words)
 
 
 def test_lab10_an_unwritten_exercise_stops_at_its_stub(lab10):
@@ -1295,16 +1306,15 @@ def test_lab10_an_unwritten_exercise_stops_at_its_stub(lab10):
     assert "raised KeyError" in mistakes.collect_transcript(lambda events: {}["x"], lab10["COLLECT_CASES"])[0]
 
 
-def test_lab10_every_variant_is_named_as_itself_and_only_itself(lab10):
+def test_lab10_every_variant_is_named_as_itself_and_only_itself(lab10, lab10_stream):
     sse, coll = lab10["SSE_CASES"], lab10["COLLECT_CASES"]
-    scenarios, detok = lab10["STREAM_SCENARIOS"], lab10["make_detok"]
-    sets = [(mistakes.sse_reference(sse), mistakes.read_sse(sse)),
-            (mistakes.collect_reference(coll), mistakes.collect(coll)),
-            (mistakes.stream_reference(scenarios, detok), mistakes.stream_events(scenarios, detok))]
+    values = lambda variants: {what: wrong() for what, wrong in variants.items()}  # noqa: E731 - each run once
+    sets = [(mistakes.sse_reference(sse), values(mistakes.read_sse(sse))),
+            (mistakes.collect_reference(coll), values(mistakes.collect(coll))),
+            lab10_stream]
     problems = []
     for reference, variants in sets:
-        for what, wrong in variants.items():
-            value = wrong()
+        for what, value in variants.items():
             found = diagnoses(lambda: check_lines(value, reference, mistakes=variants))
             if found != [what]:
                 problems.append((what, found))
@@ -1317,10 +1327,12 @@ def test_lab10_every_variant_is_named_as_itself_and_only_itself(lab10):
 def test_lab10_the_server_check_catches_a_request_left_running(lab10):
     """Through the real server: a loop that aborts in finally gives the blocks back; one that aborts only on
     None, or never, leaves the request running after the client has gone, and the check says so."""
+    # wait_s is how long the check waits at most for the abort: the right loop ends the wait as soon as its
+    # abort lands (2 s of slack); a loop that never aborts is reported whatever the wait, so it waits 0.5 s.
     for mistake, passes in [("", True), ("abort on None only", False), ("never abort", False)]:
         lab10["stream_events"] = _learner_stream(mistake)
         with lab10["LabServer"](lab10["model"], lab10["tok"], "tiny", **lab10["SERVE_KW"]) as server:
-            yours, reference, hint = lab10["leave_early"](server, wait_s=2.0)
+            yours, reference, hint = lab10["leave_early"](server, wait_s=2.0 if passes else 0.5)
         if passes:
             assert check_lines(yours, reference, hint=hint)
         else:

@@ -266,9 +266,10 @@ def hf_smollm2():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     g = pretrained.gguf_path("smollm2-135m-instruct")
-    tok = transformers.AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name,
-                                                              dtype=torch.float32).eval()
+    with pretrained.gguf_parsed_once():  # transformers reads the file three times: parse it once (same tensors)
+        tok = transformers.AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name,
+                                                                  dtype=torch.float32).eval()
     return model, tok
 
 
