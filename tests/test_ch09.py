@@ -316,3 +316,69 @@ def test_ratio_line_prints_the_paired_ratio_and_both_memories(small):
                     f"{b.memory:.2f}")
     assert ch09.ratio_line("a", a, "a", a).startswith("a / a perplexity 1.000 [1.000, 1.000]")
     assert "higher" not in line and "separated" not in line
+
+
+def _state(cache):
+    names = ("k", "v", "index", "pos", "rot", "score", "n_held") if hasattr(cache, "index") else ("k", "v")
+    return [t.clone() for name in names for t in getattr(cache, name)] + [cache.seq_lens.clone()]
+
+
+@pytest.mark.parametrize("make", [lambda m: KVCache.for_model(m, 1, P + 8), lambda m: ch09.RULES["H2O"](m, 1, 40),
+                                  lambda m: ch09.RULES["SnapKV"](m, 1, 60), lambda m: ch09.RULES["PyramidKV"](m, 1, 50),
+                                  lambda m: ch09.RULES["SnapKV, re-evicting (ours)"](m, 1, 30)])
+def test_a_replayed_prefill_is_the_plain_call_bit_for_bit(small, prompts, make):
+    ids = torch.tensor([prompts[3].ids])
+    ch09.prefill(small, ch09.RULES["H2O"](small, 1, 100), ids)  # recorded through another rule and budget
+    plain, replayed = make(small), make(small)
+    with torch.no_grad():
+        want = small(ids, cache=plain, logits_to_keep=1)
+    runs = []
+    hook = small.lm_head.register_forward_hook(lambda *_: runs.append(1))
+    try:
+        got = ch09.prefill(small, replayed, ids)
+    finally:
+        hook.remove()
+    assert torch.equal(got, want) and runs == []  # the same numbers, and the model was not run
+    assert all(torch.equal(a, b) for a, b in zip(_state(replayed), _state(plain)))
+
+
+def test_a_prefill_that_parts_from_its_recording_resumes_the_real_forward(small, prompts):
+    class Parting(H2OCache):  # reads the prompt whole, but answers layer 1 differently
+        def attend(self, layer_idx, q, k, v):
+            out = super().attend(layer_idx, q, k, v)
+            return out * 1.5 if layer_idx == 1 else out
+
+    ids = torch.tensor([prompts[4].ids])
+    ch09.prefill(small, ch09.RULES["SnapKV"](small, 1, 40), ids)
+    plain, replayed = Parting.for_model(small, 1, 40), Parting.for_model(small, 1, 40)
+    with torch.no_grad():
+        want = small(ids, cache=plain, logits_to_keep=1)
+    runs = []
+    hook = small.lm_head.register_forward_hook(lambda *_: runs.append(1))
+    try:
+        assert torch.equal(ch09.prefill(small, replayed, ids), want)
+    finally:
+        hook.remove()
+    assert runs == [1]  # resumed: the model ran once
+    assert all(torch.equal(a, b) for a, b in zip(_state(replayed), _state(plain)))
+
+
+def test_a_prefill_is_not_replayed_once_the_weights_change(prompts):
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                    max_seq_len=1024)).eval()
+    ids = torch.tensor([prompts[0].ids])
+    before = ch09.prefill(model, ch09.RULES["H2O"](model, 1, 40), ids)
+    with torch.no_grad():
+        model.layers[1].mlp.w_down.weight.mul_(2.0)  # in place: the same tensors, new values
+        want = model(ids, cache=ch09.RULES["H2O"](model, 1, 40), logits_to_keep=1)
+    got = ch09.prefill(model, ch09.RULES["H2O"](model, 1, 40), ids)
+    assert torch.equal(got, want) and not torch.equal(got, before)
+
+
+def test_kept_vs_reassigned_reuses_the_sweeps_kept_run(small):
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(6))
+    row = ch09.sweep(small, ["sinks + window"], [0.25], [], ids, None).iloc[0]
+    alone = ch09.kept_vs_reassigned(small, ids, ch09.budget_for(0.25, 64))
+    reused = ch09.kept_vs_reassigned(small, ids, ch09.budget_for(0.25, 64), kept=row)
+    assert alone == reused

@@ -230,3 +230,48 @@ def test_low_rank_memory_leaves_the_shared_bases_out(model):
     coeffs = sum(2 * t.numel() for t in cache.k + cache.v)  # (B, H_KV, S, r) coefficients, 2 bytes each
     assert grows(100) < held_bytes(make(1, 92), float_bytes=2).total  # the bases are not counted
     assert grows(100) == pytest.approx(coeffs * 100 / 108, rel=0.02)  # what is left: the coefficients (+ lengths)
+
+
+def test_layer_sensitivity_is_the_librarys_bit_for_bit(model):
+    from kvlib.lowbit import layer_sensitivity
+
+    ids = torch.arange(40) * 7 % 64
+    assert ch09b.layer_sensitivity(model, ids, bits=2, group=8) == layer_sensitivity(model, ids, bits=2, group=8)
+
+
+def test_one_recording_gives_both_keys_and_the_librarys_fits(model):
+    from kvlib.compress import fit_low_rank, low_rank_error, record_kv
+
+    ids, fit_ids = torch.arange(48)[None] * 5 % 64, torch.arange(48)[None] * 3 % 64
+    ch09b._RECORDED.clear()
+    pre, post, v = ch09b.record(model, ids)
+    for mine, keys in ((pre, "pre_rope"), (post, "post_rope")):
+        ks, vs = record_kv(model, ids, keys=keys)
+        assert all(torch.equal(a, b[0]) for a, b in zip(mine, ks)) and all(torch.equal(a, b[0]) for a, b in zip(v, vs))
+        want = low_rank_error(model, ids, [4, 8], fit_ids=fit_ids, keys=keys)
+        assert ch09b._low_rank_error(model, ids, [4, 8], fit_ids, keys) == want
+        mine_bases, lib = ch09b._fit_low_rank(model, fit_ids, 8, keys), fit_low_rank(model, fit_ids, 8, keys=keys)
+        assert mine_bases.fitted_keys == keys and all(torch.equal(a, b) for p, q in zip(mine_bases, lib) for a, b in zip(p, q))
+    assert len(ch09b._RECORDED) == 2  # ids and fit_ids, each recorded once
+
+
+def test_kivi_caches_that_attend_the_prompt_exactly_share_its_prefill(model):
+    cfgs = ch09b.configurations(model, ["KIVI 2-bit, R=32", "2-bit, prompt through the codes (not KIVI), R=32",
+                                        "SnapKV 50% of prompt + KIVI 2-bit", "INT8 (chapter 06)"])
+    made = {name: make(1, 64) for name, (make, _) in cfgs.items()}
+    assert made["KIVI 2-bit, R=32"].prefill_whole and made["SnapKV 50% of prompt + KIVI 2-bit"].prefill_whole
+    assert not made["2-bit, prompt through the codes (not KIVI), R=32"].prefill_whole  # the prompt reads its codes
+    assert not getattr(made["INT8 (chapter 06)"], "prefill_whole", False)  # INT8 attends through its codes too
+    if not hasattr(ch09, "prefill"):
+        pytest.skip("kvlib.course.ch09 has no shared prefill (ch09.prefill)")
+    prompt = torch.arange(40)[None] * 3 % 64
+    with torch.no_grad():
+        ch09.prefill(model, ch09.full_cache(model)[0](1, 64), prompt)  # the full cache records the prompt
+    for name in ("KIVI 2-bit, R=32", "SnapKV 50% of prompt + KIVI 2-bit"):  # the replayed prefill is the plain one
+        plain, shared = cfgs[name][0](1, 64), cfgs[name][0](1, 64)
+        with torch.no_grad():
+            want, got = model(prompt, cache=plain, logits_to_keep=1), ch09.prefill(model, shared, prompt)
+        assert torch.equal(got, want)
+        plain, shared = getattr(plain, "cache", plain), getattr(shared, "cache", shared)  # SeenLengths: its cache
+        assert torch.equal(plain.seq_lens, shared.seq_lens)
+        assert all(torch.equal(a, b) for a, b in zip(plain.k_packed + plain.k, shared.k_packed + shared.k))

@@ -27,7 +27,10 @@ chart can stand beside a point of the other:
 - ``frontier``: the points no other point beats at no more memory (the Pareto frontier).
 
 The cost (measured on a 2-core laptop CPU, one torch thread, SmolLM2-135M at about 300 prefill tokens/s): one
-perplexity run is about 3-4 s, one passkey configuration (24 prompts x ``P_LEN`` tokens) about 15-20 s. Batching
+perplexity run is about 3-4 s, one passkey configuration (24 prompts x ``P_LEN`` tokens) about 15-20 s; for the caches
+that read a prompt whole (the full cache, H2O, SnapKV, PyramidKV) the prompt's forward is computed once and replayed
+into each later cache (``prefill``): their later passkey configurations take about a quarter of that, their later
+perplexity runs skip the prompt half's forward. Batching
 the prompts (``batch=``) gives the same results (the caches are equal to batch-1 runs) and pays on a GPU; on one
 CPU thread it does not (the prefill is compute-bound), so the notebooks use ``PASSKEY_BATCH``.
 
@@ -36,12 +39,14 @@ Nothing here prints a verdict: the notebooks show the numbers, their markdown sa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import math
 import random
 import re
 import textwrap
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +56,7 @@ from ..footprint import fp16_cache_bytes, held_bytes
 from ..stats import separated, wilson
 
 __all__ = ["N_TEXT", "STEP", "P_LEN", "N_PROMPTS", "PASSKEY_BATCH", "INTRO", "QUESTION", "Passkey", "FILLER_BANK", "filler_sentences",
-           "passkey_prompts", "text_ids", "perplexity", "ppl_interval", "ppl_ratio_interval", "Meter",
+           "passkey_prompts", "text_ids", "prefill", "perplexity", "ppl_interval", "ppl_ratio_interval", "Meter",
            "score_passkey", "evaluate", "full_cache", "RULES", "budget_for", "sweep", "rate", "verdict", "frontier",
            "wilson", "separated", "label_of", "plot_quality_memory"]
 
@@ -314,6 +319,91 @@ class Meter:
 
 
 # --------------------------------------------------------------------------------------------
+# One prompt's prefill, read by every cache that attends the whole prompt
+# --------------------------------------------------------------------------------------------
+
+#: bytes of recorded prefills kept per model (the least recently used go first); 0 turns the sharing off
+PREFILL_MEMORY = 2**30
+_PREFILLS = weakref.WeakKeyDictionary()  # model -> OrderedDict {key: (per-layer (q, k, v, out), logits, bytes)}
+
+
+def _reads_prompt_whole(cache) -> bool:
+    """Whether a cache's first call attends over the whole prompt before it keeps anything: the full cache, and
+    the rules that compress once after attending (H2O as its reference code runs it, SnapKV, PyramidKV). For
+    all of them that call's output is the prompt's full causal attention, whatever they keep afterwards."""
+    from ..cache import KVCache
+
+    return type(cache) is KVCache or bool(getattr(cache, "prefill_whole", False))
+
+
+class _Recorder:
+    """The cache a recorded prefill runs through: ``cache.attend``, each layer's (q, k, v, output) kept."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+        self.keys_before_rope = getattr(cache, "keys_before_rope", False)
+
+    def attend(self, layer_idx, q, k, v):
+        out = self.cache.attend(layer_idx, q, k, v)
+        self.calls.append((q, k, v, out))
+        return out
+
+
+class _Resumed:
+    """The cache a forward runs through when a replay parted from its recording at layer j: layers 0..j give
+    what ``cache`` already gave them (their keys and values are stored), the later layers attend for real."""
+
+    def __init__(self, cache, outs):
+        self.cache, self.outs = cache, outs
+        self.keys_before_rope = getattr(cache, "keys_before_rope", False)
+
+    def attend(self, layer_idx, q, k, v):
+        return self.outs[layer_idx] if layer_idx < len(self.outs) else self.cache.attend(layer_idx, q, k, v)
+
+
+@torch.no_grad()
+def prefill(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    """``model(ids, cache=cache, logits_to_keep=1)``, the prompt's first call, computed once per prompt for the
+    caches that read it whole (``_reads_prompt_whole``). The first such call records every layer's q, k, v and
+    the cache's output; a later one on the same prompt and weights hands the recorded q, k, v to its own
+    ``cache.attend``, layer by layer, and keeps the recorded logits only if every layer's output is bit for bit
+    the recorded one (``torch.equal``): the model's input to each next layer, and so its q, k, v, is then what was
+    recorded. At the first layer that differs, the forward is run for real from there (``_Resumed``). The
+    cache ends as the plain call leaves it and the logits are the same numbers; only the model's matrix
+    products are skipped. Recordings are kept up to ``PREFILL_MEMORY`` bytes per model."""
+    from ..model import Transformer
+
+    if PREFILL_MEMORY <= 0 or type(model) is not Transformer or not _reads_prompt_whole(cache):
+        return model(ids, cache=cache, logits_to_keep=1)
+    store = _PREFILLS.setdefault(model, collections.OrderedDict())
+    key = (tuple((p.data_ptr(), p._version) for p in model.parameters()),  # the same weights, unchanged
+           bool(getattr(cache, "keys_before_rope", False)), tuple(ids.shape), tuple(ids.flatten().tolist()))
+    if key not in store:
+        recorder = _Recorder(cache)
+        logits = model(ids, cache=recorder, logits_to_keep=1)
+        size = sum(t.untyped_storage().nbytes() for call in recorder.calls for t in call)
+        store[key] = (recorder.calls, logits.clone(), size)
+        while sum(entry[2] for entry in store.values()) > PREFILL_MEMORY:
+            store.popitem(last=False)
+        return logits
+    store.move_to_end(key)
+    calls, logits, _ = store[key]
+    for layer, (q, k, v, out) in enumerate(calls):
+        mine = cache.attend(layer, q, k, v)
+        if not torch.equal(mine, out):
+            outs = [call[3] for call in calls[:layer]] + [mine]
+            return model(ids, cache=_Resumed(cache, outs), logits_to_keep=1)
+    return logits.clone()
+
+
+def _forget_prefill(model, ids: torch.Tensor):
+    """Drop the recorded prefills of ``ids`` (a prompt no later call will read again)."""
+    store, tokens = _PREFILLS.get(model, {}), (tuple(ids.shape), tuple(ids.flatten().tolist()))
+    for key in [key for key in store if key[2:] == tokens]:
+        del store[key]
+
+
+# --------------------------------------------------------------------------------------------
 # The two tasks
 # --------------------------------------------------------------------------------------------
 
@@ -332,7 +422,7 @@ def perplexity(model, cache, ids: torch.Tensor, step: int = STEP):
     tokens per call -> (perplexity, per-token NLL (N - N // 2,) in nats, CPU)."""
     N = ids.shape[1]
     half = N // 2
-    logits = [model(ids[:, :half], cache=cache, logits_to_keep=1)[0]]  # predicts token `half`
+    logits = [prefill(model, cache, ids[:, :half])[0]]  # predicts token `half`
     for t in range(half, N - 1, step):
         e = min(t + step, N - 1)
         positions = torch.arange(t, e, device=ids.device)[None]
@@ -366,7 +456,7 @@ def _score_batch(model, cache, batch: list[Passkey]):
     ids = torch.tensor([p.ids for p in batch], device=dev)
     answers = torch.tensor([p.answer for p in batch], device=dev)  # (B, A)
     B, P = ids.shape
-    first = model(ids, cache=cache, logits_to_keep=1)[:, -1]  # (B, V): predicts answer token 0
+    first = prefill(model, cache, ids)[:, -1]  # (B, V): predicts answer token 0
     rest = model(answers[:, :-1], positions=torch.arange(P, P + answers.shape[1] - 1, device=dev).expand(B, -1),
                  cache=cache)  # (B, A - 1, V): predicts answer tokens 1..
     pred = torch.cat([first[:, None], rest], dim=1).argmax(-1)
@@ -606,7 +696,7 @@ def prefilled(model, ids: list, budget: int, rules=PICTURE_RULES) -> dict:
     out = {}
     for name in rules:
         cache = RULES[name](model, 1, budget)
-        model(torch.tensor([ids], device=model.device), cache=cache, logits_to_keep=1)
+        prefill(model, cache, torch.tensor([ids], device=model.device))
         out[name] = cache
     return out
 
@@ -662,14 +752,17 @@ def rope_drift(model, moves=(100, 500, 2000), seed: int = 3):
     return pd.DataFrame(rows)
 
 
-def kept_vs_reassigned(model, text: torch.Tensor, budget: int):
+def kept_vs_reassigned(model, text: torch.Tensor, budget: int, kept=None):
     """Perplexity of sinks + window at ``budget`` with kept and with reassigned positions, and their paired ratio
-    (reassigned / kept) with its 95% block-bootstrap interval -> dict."""
+    (reassigned / kept) with its 95% block-bootstrap interval -> dict. ``kept``: the row of a ``sweep`` that ran
+    ``RULES["sinks + window"]`` at this budget on ``text`` (kept positions are its default: the same cache, the
+    same numbers), so that the kept run is not made twice; None runs it."""
     from ..evict import SinkCache
 
-    out = {}
+    out = {} if kept is None else {"kept": (float(kept["perplexity"]), kept["nll"])}
     for mode in ("kept", "reassign"):
-        out[mode] = perplexity(model, SinkCache.for_model(model, 1, budget, n_sink=4, positions=mode), text)
+        if mode not in out:
+            out[mode] = perplexity(model, SinkCache.for_model(model, 1, budget, n_sink=4, positions=mode), text)
     ratio = ppl_ratio_interval(out["reassign"][1], out["kept"][1])
     return {"kept": out["kept"][0], "reassigned": out["reassign"][0], "ratio": ratio}
 
@@ -772,10 +865,18 @@ def check_needle_choice(choice: str, evidence) -> bool:
 def passkey_at_length(model, tok, rules=("SnapKV", "H2O", "sinks + window"), length: int = 320, frac: float = 0.5,
                       n: int = N_PROMPTS) -> dict:
     """The passkey of section 5 on ``n`` prompts of ``length`` tokens, each rule of ``rules`` at ``frac`` of the
-    prompt -> {rule: (k, n)}, the counts that ``rate`` and ``verdict`` read."""
+    prompt -> {rule: (k, n)}, the counts that ``rate`` and ``verdict`` read (the same as ``sweep``'s). Each prompt
+    goes through every rule before the next, so the rules that read it whole share its prefill (``prefill``),
+    whose recording is then dropped."""
     prompts = passkey_prompts(tok, n=n, length=length)
-    df = sweep(model, list(rules), [], [frac], None, prompts)
-    return {r.method: (int(r["passkey k"]), int(r["passkey n"])) for _, r in df.iterrows()}
+    budget = budget_for(frac, len(prompts[0].ids))
+    retrieved = {name: [] for name in rules}
+    for i in range(0, len(prompts), PASSKEY_BATCH):  # prompt by prompt through every rule: each prefill read once
+        part = prompts[i: i + PASSKEY_BATCH]
+        for name in rules:
+            retrieved[name] += _score_batch(model, RULES[name](model, len(part), budget), part).tolist()
+        _forget_prefill(model, torch.tensor([p.ids for p in part], device=model.device))
+    return {name: (sum(r), len(r)) for name, r in retrieved.items()}
 
 
 def ratio_line(name_a: str, row_a, name_b: str, row_b) -> str:

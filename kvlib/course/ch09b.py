@@ -11,7 +11,7 @@ from the tensors held, Wilson intervals) is chapter 09's, shared with notebook 0
 - ``run``: every configuration through the protocol, one row each, and how long it took;
 - ``ppl_verdict``: one line per paired perplexity comparison, naming the lower cache only where the paired intervals
   over blocks of 16, 32 and 64 scored tokens all exclude 1 on the same side (``ppl_intervals``, ``robust_side``);
-- ``mla_table``, ``cla_losses``, ``layer_plans``: sections 6-8;
+- ``mla_table``, ``cla_losses``, ``layer_sensitivity``, ``layer_plans``: sections 8-10;
 - ``hf_kivi``: transformers' quantized cache (quanto, 2 bits, a residual window) beside ``KiviCache``;
 - ``chart``: one quality-vs-memory chart, labelled points, time-averaged memory (dot) and peak (tick), the
   frontier dashed, Wilson intervals on the passkey; hollow points for formats whose bytes are counted by formula.
@@ -19,6 +19,7 @@ from the tensors held, Wilson intervals) is chapter 09's, shared with notebook 0
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -32,17 +33,65 @@ from . import ch09
 __all__ = ["record", "two_bit_table", "decode_args", "SeenLengths", "configurations", "low_rank_configurations",
            "run", "summary", "headline", "pk", "ppl_verdict", "ppl_intervals", "robust_side", "BLOCKS",
            "low_rank_errors", "mla_table", "cla_losses",
-           "layer_plans", "hf_kivi", "chart", "KIVI", "budget_evidence", "budget_reference", "check_budget_choice"]
+           "layer_sensitivity", "layer_plans", "hf_kivi", "chart", "KIVI", "budget_evidence", "budget_reference", "check_budget_choice"]
 
 KIVI = dict(group=32, flush="residual")  # G = 32 tokens per key group; keys leave the window R at a time (KIVI's code)
 
 
 def record(model, ids):
     """(K before RoPE, K after RoPE, V): three lists, one (H_KV, T, D) tensor per layer, sequence 0 of ``ids``."""
-    ids = torch.as_tensor(ids).view(1, -1).to(model.device)
-    pre, v = record_kv(model, ids, keys="pre_rope")
-    post, _ = record_kv(model, ids, keys="post_rope")
+    pre, post, v = _recorded(model, torch.as_tensor(ids).view(1, -1).to(model.device))
     return [x[0] for x in pre], [x[0] for x in post], [x[0] for x in v]
+
+
+class _BothKeys:
+    """A seam that keeps each layer's keys before and after RoPE and its values from one forward. It asks for the
+    keys before RoPE and rotates them with the model's own ``apply_rope`` (the numbers ``record_kv(keys="post_rope")``
+    keeps); ``same`` stays True while that rotation equals, bit for bit, the one ``record_kv(keys="pre_rope")``'s seam
+    makes, so that this forward is the forward of both recordings."""
+
+    keys_before_rope = True
+
+    def __init__(self, model, T, device):
+        from ..model import rope_cos_sin, rope_frequencies
+
+        self.cos, self.sin = model.rope(torch.arange(T, device=device)[None], model.dtype)
+        self.theirs = rope_cos_sin(torch.arange(T, device=device), rope_frequencies(model.config).to(device),
+                                   model.dtype)
+        self.pre, self.post, self.v, self.same = [], [], [], True
+
+    def attend(self, layer_idx, q, k, v):
+        from ..attention import attention_ref
+        from ..model import apply_rope, rotate
+
+        post = apply_rope(k, self.cos, self.sin)
+        self.same = self.same and torch.equal(post, rotate(k, *self.theirs))
+        self.pre.append(k.detach()), self.post.append(post.detach()), self.v.append(v.detach())
+        return attention_ref(q, post, v, causal=True)
+
+
+_RECORDED: dict = {}  # the last few recordings: {(weights, ids): (pre, post, v)}
+
+
+@torch.no_grad()
+def _recorded(model, ids: torch.Tensor):
+    """``record_kv(model, ids, keys="pre_rope")``'s keys, ``record_kv(model, ids, keys="post_rope")``'s keys and the
+    values, each a list of (B, H_KV, T, D), from one forward instead of two (``_BothKeys``; two when its check fails),
+    remembered for the same weights and ids (sections 2 and 7 record the same texts more than once)."""
+    key = (id(model), tuple((p.data_ptr(), p._version) for p in model.parameters()), tuple(ids.shape),
+           tuple(ids.flatten().tolist()))
+    if key not in _RECORDED:
+        seam = _BothKeys(model, ids.shape[1], ids.device)
+        model(ids, cache=seam, logits_to_keep=1)
+        if seam.same:
+            _RECORDED[key] = (seam.pre, seam.post, seam.v)
+        else:  # the two rotations differ somewhere: record both ways, as record_kv does
+            pre, _ = record_kv(model, ids, keys="pre_rope")
+            post, v = record_kv(model, ids, keys="post_rope")
+            _RECORDED[key] = (pre, post, v)
+        while len(_RECORDED) > 3:
+            _RECORDED.pop(next(iter(_RECORDED)))
+    return _RECORDED[key]
 
 
 def _rel(x, x_hat):
@@ -101,6 +150,10 @@ class SeenLengths:
     def __init__(self, cache):
         self.cache = cache
 
+    @property
+    def prefill_whole(self):
+        return getattr(self.cache, "prefill_whole", False)
+
     def attend(self, layer_idx, q, k, v):
         return self.cache.attend(layer_idx, q, k, v)
 
@@ -131,13 +184,14 @@ def configurations(model, names=None, *, snap_share: float = 0.5, text_len: int 
 
     def kivi(bits, R, **kw):
         build = lambda n: KiviCache.for_model(model, 1, n, bits=bits, residual=R, **KIVI, **kw)  # noqa: E731
-        return (lambda b, L: KiviCache.for_model(model, b, L + 8, bits=bits, residual=R, **KIVI, **kw)), bytes_of(build)
+        return (lambda b, L: _whole(KiviCache.for_model(model, b, L + 8, bits=bits, residual=R, **KIVI, **kw))), \
+            bytes_of(build)
 
     def snap_kivi(b, L):
         live = SnapKiviCache.for_model(model, b, L + 8, budget(L), window=ch09._snap_window(budget(L)), bits=2,
                                        residual=32, **KIVI)
         _LIVE["snap"] = live
-        return SeenLengths(live)
+        return SeenLengths(_whole(live))
 
     def snap_kivi_bytes(n):  # KIVI's tensors for the positions the live cache holds (n counts the dropped ones too)
         held = int(_LIVE["snap"].seq_lens[0])
@@ -168,16 +222,26 @@ def configurations(model, names=None, *, snap_share: float = 0.5, text_len: int 
 _LIVE: dict = {}
 
 
+def _whole(cache):
+    """Mark a KIVI cache whose prompt attends exactly over its own K/V before anything is stored (``prefill="exact"``,
+    KIVI's rule; SnapKV then KIVI too) as reading the prompt whole, as ``kvlib.evict`` marks H2O and SnapKV: the
+    protocol (``ch09.prefill``) then hands it the full cache's recorded prefill of the same prompt, layer by layer,
+    and keeps it only where every layer's output is bit for bit the recorded one (the same numbers, fewer matrix
+    products). ``prefill="quantized"`` (the prompt through its codes) is left unmarked."""
+    cache.prefill_whole = getattr(cache, "prefill", "exact") == "exact"
+    return cache
+
+
 def low_rank_configurations(model, fit_ids, specs: dict):
     """{name: (make_cache, grows)} for low-rank caches: ``specs`` {name: (rank, keys, values)} with keys
     "pre_rope" / "post_rope" (where the key bases are fitted) and values "low_rank" / "exact"; the bases are
     fitted once on ``fit_ids``, another text than the one measured. Memory leaves out the bases, which a server holds
     once for all sequences (``_low_rank_bytes``)."""
-    from ..compress import LowRankKVCache, fit_low_rank
+    from ..compress import LowRankKVCache
 
     out = {}
     for name, (rank, keys, values) in specs.items():
-        bases = fit_low_rank(model, fit_ids, rank, keys=keys)
+        bases = _fit_low_rank(model, fit_ids, rank, keys)
 
         def build(b, n, bases=bases, values=values):
             return LowRankKVCache.for_model(model, b, n, bases, values=values)
@@ -286,13 +350,47 @@ def low_rank_errors(model, ids, fit_ids, ranks):
     fitted on ``fit_ids`` (``kvlib.compress.low_rank_error``), one row per rank."""
     import pandas as pd
 
-    from ..compress import low_rank_error
-
-    post = low_rank_error(model, ids, ranks, fit_ids=fit_ids, keys="post_rope")
-    pre = low_rank_error(model, ids, ranks, fit_ids=fit_ids, keys="pre_rope")
     D = model.config.head_dim
+    post = _low_rank_error(model, ids, ranks, fit_ids, "post_rope")
+    pre = _low_rank_error(model, ids, ranks, fit_ids, "pre_rope")
     return pd.DataFrame({f"rank {r} of {D}": {"K after RoPE": post[r]["k"], "K before RoPE": pre[r]["k"],
                                               "V": post[r]["v"]} for r in ranks}).T
+
+
+def _low_rank_error(model, ids, ranks, fit_ids, keys):
+    """``kvlib.compress.low_rank_error(model, ids, ranks, fit_ids=fit_ids, keys=keys)``, the same sums on the same
+    recordings, read from ``_recorded`` (one forward per text for both key positions, none for a text seen before)."""
+    from ..compress import _directions
+
+    def kv(x):
+        pre, post, v = _recorded(model, torch.as_tensor(x).view(1, -1).to(model.device))
+        return (pre if keys == "pre_rope" else post), v
+
+    (fit_k, fit_v), (ks, vs) = kv(fit_ids), kv(ids)
+    dirs = {"k": [_directions(x) for x in fit_k], "v": [_directions(x) for x in fit_v]}
+    out = {}
+    for r in ranks:
+        out[r] = {}
+        for name, xs in (("k", ks), ("v", vs)):
+            err = total = 0.0
+            for x, U in zip(xs, dirs[name]):
+                x, U = x.double(), U[..., :r]  # (B, H_KV, T, D), (H_KV, D, r)
+                err += (x - x @ U @ U.transpose(1, 2)).pow(2).sum().item()
+                total += x.pow(2).sum().item()
+            out[r][name] = math.sqrt(err / total)
+    return out
+
+
+def _fit_low_rank(model, fit_ids, rank: int, keys: str):
+    """``kvlib.compress.fit_low_rank(model, fit_ids, rank, keys)``: the same bases from the same recording, read from
+    ``_recorded`` (section 7 fits three caches on one text, already recorded for the table)."""
+    from ..compress import _directions, _FittedBases
+
+    pre, post, vs = _recorded(model, torch.as_tensor(fit_ids).view(1, -1).to(model.device))
+    cast = dict(dtype=model.dtype, device=model.device)
+    return _FittedBases([(_directions(k)[..., :rank].to(**cast).contiguous(),
+                          _directions(v)[..., :rank].to(**cast).contiguous())
+                         for k, v in zip(pre if keys == "pre_rope" else post, vs)], keys)
 
 
 def mla_table():
@@ -333,17 +431,55 @@ def cla_losses(steps: int, *, eval_windows: int = 16, seq_len: int = 128, progre
     ev = dict(seq_len=seq_len, max_windows=eval_windows)
     out = {"original": evaluate(tiny, val_ids, **ev),
            "shared, no fine-tune": evaluate_shared(tiny, val_ids, share=2, **ev)}
+    # the two fine-tuned models start from copies of the loaded one (the same weights, bit for bit, without reading
+    # the file again); the fine-tune draws its windows from its own seeded generator
     torch.manual_seed(0)
-    shared, _ = load_tiny(device="cpu")
+    shared = copy.deepcopy(tiny)
     finetune_shared(shared, train_ids, steps=steps, share=2, batch=8, seq_len=seq_len, progress=progress)
     out["shared + fine-tune"] = evaluate_shared(shared, val_ids, share=2, **ev)
     torch.manual_seed(0)
-    control, _ = load_tiny(device="cpu")
+    control = copy.deepcopy(tiny)
     finetune(control, train_ids, steps=steps, batch=8, seq_len=seq_len, progress=progress)
     out["control (no sharing) + fine-tune"] = evaluate(control, val_ids, **ev)
     sizes = {"CLA-2 cache": CrossLayerKVCache.for_model(shared, 1, 64, share=2).bytes_per_token(),
              "plain cache": KVCache.for_model(tiny, 1, 64).nbytes() // 64}
     return out, sizes
+
+
+@torch.no_grad()
+def layer_sensitivity(model, ids, bits: int = 2, *, keys: str = "per_channel", group: int = 32) -> list[float]:
+    """``kvlib.lowbit.layer_sensitivity``'s numbers (each layer's K/V alone at ``bits`` in a ``LayerQuantCache``,
+    KL from the all-16-bit run over every position of ``ids``), computed with fewer matrix products: layers before
+    layer i run at 16 bits in both runs, so layer i's run starts from the reference run's input to layer i instead
+    of repeating layers 0..i-1 (about half the work). The last layer's run is also made whole, as the library
+    makes it, and must give the same logits bit for bit (``torch.equal``); if it does not, every layer is run whole
+    (``kvlib.lowbit.layer_sensitivity``)."""
+    from ..lowbit import kl_divergence
+    from ..lowbit import layer_sensitivity as whole
+
+    x = torch.as_tensor(ids).long()[None].to(model.device)  # (1, T)
+    n, T = model.config.n_layers, x.shape[1]
+
+    def cache_for(layer):  # layer `layer` at `bits`, every other at 16 (None: all at 16)
+        return LayerQuantCache.for_model(model, 1, T, [bits if i == layer else 16 for i in range(n)], keys=keys,
+                                         group=group)
+
+    h = model.tok_emb(x)
+    cos, sin = model.rope(torch.arange(T, device=x.device)[None], h.dtype)
+    inputs, cache = [], cache_for(None)
+    for block in model.layers:  # the reference run, keeping each layer's input
+        inputs.append(h)
+        h = block(h, cos, sin, None, cache)
+    full = model.lm_head(model.norm(h)).float()[0]  # (T, V)
+    logits = []
+    for layer in range(n):
+        h, cache = inputs[layer], cache_for(layer)
+        for block in model.layers[layer:]:
+            h = block(h, cos, sin, None, cache)
+        logits.append(model.lm_head(model.norm(h)).float()[0])
+    if not torch.equal(model(x, cache=cache_for(n - 1))[0], logits[-1]):
+        return whole(model, ids, bits, keys=keys, group=group)
+    return [kl_divergence(full, q) for q in logits]
 
 
 def layer_plans(model, sensitivity) -> dict:
