@@ -176,6 +176,12 @@ def low_rank_error(model, ids, ranks, fit_ids=None, keys: str = "post_rope") -> 
     ranks = [_check_rank(r, D) for r in ranks]
     fit_k, fit_v = record_kv(model, ids if fit_ids is None else fit_ids, keys=keys)
     ks, vs = (fit_k, fit_v) if fit_ids is None else record_kv(model, ids, keys=keys)
+    return _rank_errors(fit_k, fit_v, ks, vs, ranks)
+
+
+def _rank_errors(fit_k, fit_v, ks, vs, ranks) -> dict:
+    """``low_rank_error``'s sums from recorded keys and values (lists of (B, H_KV, T, D) per layer): bases from
+    ``fit_k``/``fit_v``, errors measured on ``ks``/``vs``."""
     dirs = {"k": [_directions(x) for x in fit_k], "v": [_directions(x) for x in fit_v]}
     out = {}
     for r in ranks:

@@ -360,25 +360,14 @@ def low_rank_errors(model, ids, fit_ids, ranks):
 def _low_rank_error(model, ids, ranks, fit_ids, keys):
     """``kvlib.compress.low_rank_error(model, ids, ranks, fit_ids=fit_ids, keys=keys)``, the same sums on the same
     recordings, read from ``_recorded`` (one forward per text for both key positions, none for a text seen before)."""
-    from ..compress import _directions
+    from ..compress import _rank_errors
 
     def kv(x):
         pre, post, v = _recorded(model, torch.as_tensor(x).view(1, -1).to(model.device))
         return (pre if keys == "pre_rope" else post), v
 
     (fit_k, fit_v), (ks, vs) = kv(fit_ids), kv(ids)
-    dirs = {"k": [_directions(x) for x in fit_k], "v": [_directions(x) for x in fit_v]}
-    out = {}
-    for r in ranks:
-        out[r] = {}
-        for name, xs in (("k", ks), ("v", vs)):
-            err = total = 0.0
-            for x, U in zip(xs, dirs[name]):
-                x, U = x.double(), U[..., :r]  # (B, H_KV, T, D), (H_KV, D, r)
-                err += (x - x @ U @ U.transpose(1, 2)).pow(2).sum().item()
-                total += x.pow(2).sum().item()
-            out[r][name] = math.sqrt(err / total)
-    return out
+    return _rank_errors(fit_k, fit_v, ks, vs, ranks)
 
 
 def _fit_low_rank(model, fit_ids, rank: int, keys: str):
