@@ -1,6 +1,7 @@
 """kvlib.course.ch09b, chapter 09b's harness: its tables, configurations, verdict lines and chart compute what they say."""
 
 import math
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -275,3 +276,31 @@ def test_kivi_caches_that_attend_the_prompt_exactly_share_its_prefill(model):
         plain, shared = getattr(plain, "cache", plain), getattr(shared, "cache", shared)  # SeenLengths: its cache
         assert torch.equal(plain.seq_lens, shared.seq_lens)
         assert all(torch.equal(a, b) for a, b in zip(plain.k_packed + plain.k, shared.k_packed + shared.k))
+
+
+def test_quanto_unpacks_in_pytorch_the_bytes_its_cpp_extension_gives():
+    """kvlib.bench.peers.quanto_unpack_in_pytorch spares quanto's C++ build: the PyTorch unpack must undo quanto's
+    own packing exactly, and equal the C++ unpack wherever that build already exists (it is never built here)."""
+    pytest.importorskip("optimum.quanto")
+    from optimum.quanto.library.extensions import get_extension
+    from optimum.quanto.tensor.packed import pack_weights
+
+    from kvlib.bench.peers import quanto_unpack_in_pytorch, unpack_codes
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (2, 4):
+        for shape in ((37, 129), (8, 3, 5), (4,)):
+            codes = torch.randint(0, 2 ** bits, shape, dtype=torch.uint8, generator=g)
+            packed = pack_weights(codes, bits)
+            assert torch.equal(unpack_codes(packed, bits)[:shape[0]], codes), (bits, shape)
+    ext = get_extension("quanto_cpp")
+    assert quanto_unpack_in_pytorch() and quanto_unpack_in_pytorch()  # idempotent
+    if (Path(ext.build_directory) / f"{ext.name}.so").exists():  # built by an earlier run: compare with it
+        from torch.utils.cpp_extension import load
+
+        lib = load(name=ext.name, sources=ext.sources, extra_cflags=ext.extra_cflags, build_directory=ext.build_directory)
+        packed = torch.randint(0, 256, (33, 65), dtype=torch.uint8, generator=g)
+        for bits in (2, 4):
+            assert torch.equal(lib.unpack(packed, bits), unpack_codes(packed, bits))
+    packed = pack_weights(torch.tensor([[3, 1], [0, 2]], dtype=torch.uint8), 2)  # through quanto's own op now
+    assert torch.ops.quanto.unpack(packed, 2)[:2].tolist() == [[3, 1], [0, 2]]

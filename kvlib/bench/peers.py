@@ -57,6 +57,7 @@ import math
 import sys
 import tempfile
 import time
+import types
 
 import torch
 
@@ -99,6 +100,31 @@ def _quiet_transformers():
         tf_logging.set_verbosity(level)
         if bars:
             tf_logging.enable_progress_bar()
+
+
+def quanto_unpack_in_pytorch() -> bool:
+    """Let optimum-quanto unpack its 2- and 4-bit codes with PyTorch shifts instead of building its C++ extension.
+
+    quanto compiles ``unpack.cpp`` (with ninja and the system compiler) the first time a packed tensor is read on
+    the CPU: about a minute in a new environment, and a failure where no compiler is installed. Unpacking is a
+    shift and a mask per code, so these PyTorch operations give the same bytes (tested against the C++ build where
+    one exists). Returns True if quanto is installed and now unpacks this way (or already did)."""
+    try:
+        from optimum.quanto.library.extensions import get_extension, is_extension_available
+    except ImportError:
+        return False
+    if not is_extension_available("quanto_cpp"):
+        return False
+    ext = get_extension("quanto_cpp")
+    if ext._lib is None:  # not loaded yet: this process never compiles it
+        ext._lib = types.SimpleNamespace(unpack=unpack_codes)
+    return True
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """quanto's packing undone: ``8 // bits`` codes per uint8, the i-th in bits ``[bits*i, bits*(i+1))``, each group
+    of codes concatenated along dim 0 (as ``quanto::unpack`` returns them)."""
+    return torch.cat([(packed >> (bits * i)) & (2 ** bits - 1) for i in range(8 // bits)]).to(torch.uint8)
 
 
 def _check_prompts(prompts, max_new_tokens) -> list[list[int]]:

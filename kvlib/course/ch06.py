@@ -467,6 +467,10 @@ def hf_side_by_side(hf, model, ids, starts, backends, prefix: int = 256, chunk: 
     import pandas as pd
     from transformers import DynamicCache, QuantizedCache
 
+    from ..bench.peers import quanto_unpack_in_pytorch
+
+    quanto_unpack_in_pytorch()  # no C++ build at first use (a minute in a new environment); the same bytes
+
     cfg = hf.config
     n_numbers = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * prefix
     acc = {}

@@ -503,9 +503,11 @@ def hf_kivi(hf, model, ids, starts, *, prefix: int = 256, chunk: int = 64, nbits
     import torch.nn.functional as F
     from transformers import DynamicCache, QuantizedCache
 
+    from ..bench.peers import quanto_unpack_in_pytorch
     from ..cache import KVCache
     from ..kivi import KiviCache
 
+    quanto_unpack_in_pytorch()  # no C++ build at first use (a minute in a new environment); the same bytes
     cfg = hf.config
     n_numbers = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * prefix
     acc = {}

@@ -183,6 +183,12 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
+@functools.lru_cache(maxsize=None)
+def _cubin_loops(cubin: bytes) -> list[dict]:
+    """``sass_loops`` of one build, disassembled once (about 0.4 s each; specs often launch the same build)."""
+    return sass_loops(_cuobjdump(cubin, "-sass"))
+
+
 def resource_usage(cubin: bytes) -> dict:
     """Registers, stack-frame and local-memory bytes per thread, read from a cubin with cuobjdump.
 
@@ -361,7 +367,7 @@ def check_row(kernel, spec: dict, mod_name: str, arch: int, compiled, bound: dic
                shared_bytes=compiled.metadata.shared)
     row.update(resource_usage(compiled.asm["cubin"]))
     row["i32_stride_products"] = i32_stride_products(compiled.asm["ttir"])
-    row["loops"] = sass_loops(_cuobjdump(compiled.asm["cubin"], "-sass"))
+    row["loops"] = _cubin_loops(compiled.asm["cubin"])
     loops_of = spec.get("loops", {}).get(kernel_name)
     if loops_of is not None:
         row["ceiling"] = ceiling(row, loops_of(dict(bound, num_warps=row["num_warps"])), arch)
