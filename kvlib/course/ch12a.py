@@ -1,5 +1,5 @@
-"""Chapter 12a's harnesses: the rank functions the notebook launches (spawned processes import them from here,
-since a function defined in a notebook cannot be imported by a fresh interpreter) and the tables it prints.
+"""Chapter 12a's harnesses: the rank functions the notebook launches (each rank is a new process that imports them
+from here, since a function defined in a notebook cannot be imported by another process) and the tables it prints.
 
 - ``hello`` / ``fails_on_rank``: a first process group, and what a failing rank looks like;
 - ``mlp_split``: Megatron's column/row split of one MLP, in one process, against the whole MLP;

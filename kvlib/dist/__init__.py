@@ -6,7 +6,7 @@
 - :mod:`kvlib.dist.cp`: decode context parallelism: each rank caches a stripe of the tokens, and the
   partial attentions merge with their log-sum-exps.
 
-Only the launcher is imported here: a spawned rank imports what its function needs and nothing more.
+Only the launcher is imported here: a rank imports what its function needs and nothing more.
 """
 
 from . import launch  # noqa: F401

@@ -2,7 +2,7 @@
 
     results = launch.run(fn, world_size, *args, backend=None, timeout_s=60.0)
 
-``fn`` is a module-level function (spawn starts fresh interpreters that import it by name) called as
+``fn`` is a module-level function (each rank is a fresh process that imports it by name) called as
 ``fn(rank, world_size, *args)`` in each of ``world_size`` processes, after ``torch.distributed`` has
 joined them into one group: gloo on a CPU, NCCL when ``backend="nccl"`` or when every rank can have its
 own GPU and ``backend`` is None. Each process runs one torch thread. ``run`` returns fn's return values
@@ -12,6 +12,11 @@ Bounded in time, and nothing left behind: on a rank's exception, on the timeout 
 process is stopped (terminated, then killed). A rank's exception comes back as :class:`RankFailed`
 (naming the rank, carrying its traceback text); a timeout as ``TimeoutError`` naming the ranks still
 running.
+
+Ranks are started by multiprocessing's *fork server*: one helper process, started at the first launch, imports
+torch once and forks a copy of itself for each rank. Like the *spawn* method (a fresh interpreter per rank) it
+shares nothing with the caller but what is sent, so ``fn`` and its arguments travel by name and by pickle; unlike
+it, a rank does not pay torch's import again (about 1.5 s of CPU per rank, most of a short launch).
 
 The rendezvous store (a ``torch.distributed.TCPStore``) is opened here in the parent on a port the
 operating system picks, so two launches never race for one port. ``KVLIB_DIST_PORT=N`` asks for a fixed
@@ -91,36 +96,36 @@ def _check_importable(fn) -> None:
         try:
             pickle.dumps(fn)
         except Exception as e:
-            raise ValueError(f"fn={fn!r} cannot be sent to a spawned process (pickling failed: {e}); "
+            raise ValueError(f"fn={fn!r} cannot be sent to a new process (pickling failed: {e}); "
                              f"pass a function defined at the top level of a .py module") from None
         return
     if "<locals>" in name or "<lambda>" in name:
-        raise ValueError(f"fn={module}.{name} is a lambda or a function defined inside another function: spawn "
-                         f"cannot import it; define it at the top level of a .py module")
+        raise ValueError(f"fn={module}.{name} is a lambda or a function defined inside another function: a "
+                         f"new process cannot import it; define it at the top level of a .py module")
     if module == "__main__":
         import sys
 
         main = sys.modules.get("__main__")
         main_file = getattr(main, "__file__", None)
         if main_file is not None and not os.path.isfile(main_file):  # `python - < script.py`: __file__ is "<stdin>"
-            raise ValueError(f"fn={name} is defined in a script read from {main_file} (module __main__): spawn starts "
-                             f"fresh interpreters that re-import the script from its file, and there is none. Save it "
+            raise ValueError(f"fn={name} is defined in a script read from {main_file} (module __main__): each rank "
+                             f"re-imports the script from its file, and there is none. Save it "
                              f"as a .py file and run that, or put fn in an importable module")
         if main_file is None:
             raise ValueError(f"fn={name} is defined in a notebook or an interactive session (module __main__): "
-                             f"spawn starts fresh interpreters that cannot import it. Put it in a .py module "
+                             f"a new process cannot import it. Put it in a .py module "
                              f"(the chapter's are in kvlib/course/) and import it from there")
-        return  # a script: spawn re-imports it as __mp_main__ (its work must sit under `if __name__ == "__main__"`)
+        return  # a script: each new process re-imports it as __mp_main__ (its work must sit under `if __name__ == "__main__"`)
     try:
         obj = importlib.import_module(module)
         for part in name.split("."):
             obj = getattr(obj, part)
     except Exception as e:
         raise ValueError(f"fn={module}.{name} cannot be imported by name ({type(e).__name__}: {e}); "
-                         f"spawn needs a function at the top level of an importable module") from None
+                         f"a new process needs a function at the top level of an importable module") from None
     if obj is not fn:
         raise ValueError(f"fn={module}.{name} is not the object that name imports (redefined or decorated?); "
-                         f"spawn would run the other one")
+                         f"a new process would run the other one")
 
 
 def _check_args(fn, world_size, timeout_s) -> None:
@@ -163,13 +168,29 @@ def _open_store(world_size: int, timeout_s: float):
     raise RuntimeError(f"could not open a local port on {HOST} for the process group's rendezvous: {last}")
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's process reused the number
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:  # no /proc (macOS): kill(pid, 0) is all we have
+        return True
+
+
 def _exit_with_parent(parent: int) -> None:
-    """A daemon thread: leave at once if the parent process goes away (killed before it could stop us), instead of
-    waiting at a collective until the group's timeout."""
+    """A daemon thread: leave at once if the process that called ``run`` goes away (killed before it could stop us),
+    instead of waiting at a collective until the group's timeout. Ranks are forked by multiprocessing's fork server,
+    which outlives that process while a rank holds its pipe: so the caller's pid is watched, not our parent's."""
     import threading
 
     def watch():
-        while os.getppid() == parent:
+        while _alive(parent):
             time.sleep(0.5)
         os._exit(1)
 
@@ -180,14 +201,14 @@ def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
     """One rank: say it started, join the group, run fn, send back ("ok", pickled result) or ("error", traceback
     text)."""
     global _RANK_STORE
-    conn.send(("started", None))  # spawn got this far: it imported fn and the parent's script (if any)
+    conn.send(("started", None))  # the rank got this far: it imported fn and the parent's script (if any)
     _exit_with_parent(parent)
     import torch
 
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set (cannot happen in a fresh spawn, but harmless)
+    except RuntimeError:  # already set (the fork server never ran torch code, so it cannot; harmless)
         pass
     import torch.distributed as dist
 
@@ -215,6 +236,21 @@ def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
         conn.close()
 
 
+_CONTEXT = None
+
+
+def _context():
+    """The fork server's context, its preload set once: torch and this module are imported in the server, so a rank
+    starts with them (the environment is the server's too: it starts at the first launch of a process)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        import torch.multiprocessing as mp
+
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "kvlib.dist.launch"])
+    return _CONTEXT
+
+
 def _stop(procs, grace_s: float) -> None:
     """Wait ``grace_s`` for every process to exit, then terminate, then kill what is left."""
     deadline = time.monotonic() + grace_s
@@ -233,7 +269,7 @@ def _stop(procs, grace_s: float) -> None:
 
 
 def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 60.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by torch.distributed;
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes joined by torch.distributed;
     return fn's return values by rank. See the module docstring for what is stopped and raised when."""
     _check_args(fn, world_size, timeout_s)
     backend = pick_backend(backend, world_size)
@@ -241,7 +277,7 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
     from multiprocessing.connection import wait
 
     fn_name = getattr(fn, "__qualname__", repr(fn))
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = _open_store(world_size, timeout_s)
     procs, readers = [], {}
     results: dict[int, object] = {}
@@ -270,10 +306,10 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
                     status, payload = reader.recv()
                 except (EOFError, OSError):  # the process died without a word
                     procs[rank].join(1.0)
-                    if rank not in started:  # before _worker ran: spawn's own start-up failed
+                    if rank not in started:  # before _worker ran: the process's own start-up failed
                         raise RankFailed(rank, world_size, fn_name,
                                          f"the process ended (exit code {procs[rank].exitcode}) before it could run "
-                                         f"fn: spawn could not import fn, or re-ran your script's top level. Define fn "
+                                         f"fn: it could not import fn, or re-ran your script's top level. Define fn "
                                          f"at the top level of an importable module (not under `if __name__ == "
                                          f"'__main__'`) and put the launch under `if __name__ == '__main__'`; the "
                                          f"rank's stderr above shows the cause") from None
