@@ -250,20 +250,42 @@ def _text_and_prompts(model, seed=0):
     return text, prompts
 
 
-def test_one_prefill_serves_every_reference_build_bit_for_bit(model):
-    text, _ = _text_and_prompts(model)
-    for d in (dict(block_size=4, budget=None, rule="none"), dict(block_size=4, budget=12, rule="window"),
-              dict(block_size=4, budget=12, rule="sinks + window"), dict(block_size=4, budget=20, rule="sinks + window")):
-        fresh = capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, d), text, None, 4)
+def _unshared(model, text, d):
+    """``reference_perplexity`` computed with chapter 09's prefill sharing turned off: every prefill a real forward."""
+    from kvlib.course import ch09
+
+    keep, ch09.PREFILL_MEMORY = ch09.PREFILL_MEMORY, 0
+    try:
+        return capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, d), text, None, 4)
+    finally:
+        ch09.PREFILL_MEMORY = keep
+
+
+def test_one_prefill_serves_every_reference_build_bit_for_bit(model, monkeypatch):
+    from kvlib.course import ch09
+
+    text, prompts = _text_and_prompts(model)
+    ch09._PREFILLS.pop(model, None)
+    builds = (dict(block_size=4, budget=None, rule="none"), dict(block_size=4, budget=12, rule="window"),
+              dict(block_size=4, budget=12, rule="sinks + window"),
+              dict(block_size=4, budget=20, rule="sinks + window"))
+    fresh = [_unshared(model, text, d) for d in builds]
+    forwards = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, **kw: forwards.append(ids.shape[1]) or forward(ids, **kw))
+    for d, f in zip(builds, fresh):
         shared = capstone.reference_perplexity(model, text, d)
-        assert torch.equal(shared["nll"], fresh["nll"]) and shared["perplexity"] == fresh["perplexity"]
-    assert len(capstone._PREFILL["rows"]) == 4
+        assert torch.equal(shared["nll"], f["nll"]) and shared["perplexity"] == f["perplexity"]
+    assert forwards.count(text.shape[1] // 2) == 1  # the first half prefilled once for the four builds
+    assert len(ch09._PREFILLS[model]) == 1
+    capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, builds[2]), None, prompts, 4)
+    assert len(ch09._PREFILLS[model]) == 1  # the passkey prompts, each read once, are not recorded
     with torch.no_grad():
         model.norm.weight.mul_(1.0)  # an in-place change of the weights: the prefill is made again
-    d = dict(block_size=4, budget=12, rule="window")
-    assert torch.equal(capstone.reference_perplexity(model, text, d)["nll"],
-                       capstone.quality(model, capstone.factory(capstone.PagedInt8Cache, d), text, None, 4)["nll"])
-    assert len(capstone._PREFILL["rows"]) == 1
+    again = _unshared(model, text, builds[1])
+    made = forwards.count(text.shape[1] // 2)
+    assert torch.equal(capstone.reference_perplexity(model, text, builds[1])["nll"], again["nll"])
+    assert forwards.count(text.shape[1] // 2) == made + 1
 
 
 class _PerTensor(capstone.PagedInt8Cache):

@@ -85,6 +85,40 @@ def test_time_generators_reports_agreement(tiny):
     assert all(len(a) == len(b) >= 3 for a, b in zip(t_naive, t_cached))  # alternating runs
 
 
+def test_time_generators_compares_its_first_timed_runs(tiny, monkeypatch):
+    model, tok = tiny
+    calls = []
+    real_generate = ch03.generate
+
+    def other_tokens(*args, **kw):  # the cached loop made to disagree: the comparison must see it
+        calls.append(1)
+        return real_generate(*args, **kw) + 1
+
+    monkeypatch.setattr(ch03, "generate", other_tokens)
+    t_naive, t_cached, same = ch03.time_generators(model, tok.encode("a"), [2], budget_s=0.0, max_rep=3)
+    assert same is False
+    assert len(calls) == len(t_cached[0]) == 3  # every cached run is timed: none spent on the check alone
+
+
+def test_timed_returns_the_result_and_its_time():
+    out, ms = ch03.timed(lambda: sum(range(1000)))
+    assert out == 499500 and ms >= 0
+
+
+def test_with_dtype_is_the_checkpoint_read_in_that_dtype(small, tmp_path):
+    from kvlib.model import load_hf, save_hf
+
+    save_hf(small, tmp_path)
+    fp32 = load_hf(tmp_path)
+    read, copied = load_hf(tmp_path, dtype=torch.bfloat16), ch03.with_dtype(fp32, torch.bfloat16)
+    a, b = read.state_dict(), copied.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == torch.bfloat16 for k in a)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(read(ids), copied(ids))
+    assert fp32.dtype == torch.float32  # the original is untouched
+
+
 def test_store_is_a_copy():
     same, n = ch03.store_is_a_copy()
     assert same is True and n == 2 * 2 * (2 * 2 * 100 * 48)  # two dtypes x (k, v) caches

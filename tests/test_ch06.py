@@ -219,3 +219,27 @@ def test_stats_wilson_refuses_bad_counts_and_separates_only_disjoint_intervals()
         wilson(0.5, 4)
     assert wilson(0, 24)[0] == pytest.approx(0) and wilson(24, 24)[1] == pytest.approx(1) and wilson(0, 24)[1] > 0.1
     assert separated((0.1, 0.3), (0.4, 0.9)) and not separated((0.1, 0.5), (0.4, 0.9))
+
+
+def test_hf_side_by_side_with_a_shared_prefix_is_the_table_of_one_prefix_forward_per_cache():
+    pytest.importorskip("transformers")
+    from kvlib.bench.peers import hf_model_from_kvlib
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=40, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=96)).eval()
+    hf = hf_model_from_kvlib(model)
+    backends = {"fp8": dict(backend="fp8")}  # as the notebook: each backend whose package imports
+    for name, package, kw in (("hqq", "hqq", dict(backend="hqq", nbits=8, axis_key=1, axis_value=1, q_group_size=64)),
+                              ("quanto", "optimum.quanto", dict(backend="quanto", nbits=4))):
+        try:
+            __import__(package)
+            backends[name] = kw
+        except ImportError:
+            pass
+    ids = torch.randint(0, 40, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = dict(starts=[0, 40], backends=backends, prefix=64, chunk=8)
+    shared = ch06.hf_side_by_side(hf, model, ids, share_prefix=True, **kw)
+    separate = ch06.hf_side_by_side(hf, model, ids, share_prefix=False, **kw)
+    assert list(shared.index) == [ch06.OURS_QUANT, ch06.OURS_EXACT, *backends]
+    assert shared.equals(separate)  # bit for bit: every KL, agreement and byte count
+    assert shared.loc["fp8", "mean KL (nats)"] > 0  # the prefix was stored quantized, not passed on exact

@@ -143,3 +143,23 @@ def test_hf_twin_caches_kv_heads_and_matches_logits():
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (6, 2)
     assert tuple(k0.shape) == (1, 2, 9, 8) and err < 1e-4
     assert sum(branches.values()) == 2  # one GQA choice per layer's attention call
+
+
+def test_hf_twin_read_from_the_models_saved_checkpoint_is_the_same_twin(tmp_path):
+    pytest.importorskip("transformers")
+    from kvlib.model import save_hf
+
+    model = gqa_model()
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(2))
+    written = ch07.hf_twin(model, ids)
+    save_hf(model, tmp_path)
+    read = ch07.hf_twin(model, ids, folder=tmp_path)
+    config = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}  # noqa: E731  (the folder)
+    assert config(read[0]) == config(written[0]) and read[1] == written[1]  # config, |logits - ours|
+    assert torch.equal(read[2], written[2]) and read[3] == written[3]  # the cached keys, the GQA branches taken
+    other = gqa_model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1)
+    save_hf(other, tmp_path / "other")
+    assert ch07.hf_twin(model, ids, folder=tmp_path / "other")[1] > 1e-3  # other weights: the logits show it

@@ -168,6 +168,21 @@ def test_alternating_trials_count_exact_steps_and_pair_their_ratio(model, trace)
     assert ab["static"]["tps"][0] <= ab["static"]["tps"][1]
 
 
+
+def test_alternating_trials_take_a_given_first_pair_and_refuse_a_wrong_one(model, trace):
+    kw = dict(num_blocks=40, block_size=4, max_num_seqs=4, max_batched_tokens=16, prefix_caching=False)
+    static, cont = ch08.run_static(model, trace), ch08.replay(model, trace, record=True, **kw)
+    df = ch08.ab_trials(model, trace, kw, trials=2, first=(static, cont))
+    t0 = df[df.trial == 0].set_index("policy")
+    assert t0.loc["static", "tokens_per_s"] == ch08.summarize(static)["tokens_per_s"]  # the given runs, not new ones
+    assert t0.loc["continuous", "tokens_per_s"] == ch08.summarize(cont)["tokens_per_s"]
+    assert list(df["policy"]) == ["static", "continuous", "continuous", "static"]
+    assert set(df["compute_steps"][df.policy == "continuous"]) == {sum(1 for e in cont["engine"].events if e["scheduled"])}
+    with pytest.raises(ValueError):
+        ch08.ab_trials(model, trace, kw, trials=2, first=(cont, static))  # the pair in the wrong order
+    with pytest.raises(ValueError):
+        ch08.ab_trials(model, trace[:-1], kw, trials=2, first=(static, cont))  # runs of another trace
+
 def _fake_trials(values):
     import pandas as pd
 

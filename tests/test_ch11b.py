@@ -98,10 +98,30 @@ def test_quest_passkey_branches_are_the_caches_they_stand_for(tiny):
     wide = ch11b.quest_passkey(model, prompts, n_q, token_budget=304)  # 19 blocks of 16 cover the prompt and the answer
     assert full == [True] * 3
     assert wide["full"] == full and wide["Quest"] == full and wide["Quest late"] == full
-    late = ch11b.score_late(model, lambda: KVCache.for_model(model, 1, 300), prompts, n_q)
+    late = ch11b.score_late(model, lambda B: KVCache.for_model(model, B, 300), prompts, n_q)
     assert late == full
     narrow = ch11b.quest_passkey(model, prompts, n_q, token_budget=32)
     assert wide["read"] > narrow["read"] > 0 and narrow["read late"] > 0
+
+
+def test_batched_runs_score_as_one_prompt_at_a_time(tiny):
+    """Every prompt in one call gives what one prompt per call gives (hits and Quest's mean reads), and SnapKV after
+    caching reads the text's prefill Quest recorded (ch09.prefill) without changing a hit."""
+    model, tok = tiny
+    n_q = len(tok.encode(ch09.QUESTION))
+    prompts = ch09.passkey_prompts(tok, n=3, length=280)
+    one = ch11b.quest_passkey(model, prompts, n_q, token_budget=32, batch=1)
+    ch09._PREFILLS.pop(model, None)
+    every = ch11b.quest_passkey(model, prompts, n_q, token_budget=32)  # records the texts' prefill, one batch
+    assert {k: every[k] for k in ("full", "Quest", "Quest late")} == {k: one[k] for k in ("full", "Quest", "Quest late")}
+    assert every["read"] == pytest.approx(one["read"], rel=1e-9) and every["read late"] == pytest.approx(one["read late"], rel=1e-9)
+    assert len(ch09._PREFILLS[model]) == 1
+    ev = ch11b.eviction_passkey(model, prompts, n_q, 40, 48)
+    assert list(ev) == ["SnapKV", "SnapKV late", "sinks + window late"] and all(len(h) == 3 for h in ev.values())
+    ch09._PREFILLS.pop(model, None)
+    fresh = [ch11b.score_late(model, lambda B: ch09.RULES[name](model, B, 48), prompts, n_q, batch=1)
+             for name in ("SnapKV", "sinks + window")]
+    assert [ev["SnapKV late"], ev["sinks + window late"]] == fresh
 
 
 def test_bound_recall_holds_on_a_real_prefill(tiny):

@@ -228,6 +228,11 @@ class OneSequence:
     same ragged step the engine runs. Batch 1; the caller passes true positions (the model's default 0..T-1 for
     the first call)."""
 
+    #: whether chapter 09's ``prefill`` may share this sequence's first call with other caches on the same prompt
+    #: (``ch09._reads_prompt_whole``): set by ``_quality`` for the text's sequence. True of every cache this class
+    #: drives, since a forward attends before ``commit`` evicts; the replay checks every layer's output bit for bit
+    prefill_whole = False
+
     def __init__(self, cache: PagedKVCache, seq_id=0):
         self.cache, self.seq_id, self.view = cache, seq_id, None
         cache.add_sequence(seq_id)
@@ -349,14 +354,18 @@ def quality(model, cache_factory, text, prompts, block_size: int) -> dict:
                     block_size)
 
 
-def _quality(model, make_seq, text, prompts, block_size: int, score_model=None) -> dict:
-    """``quality`` with ``make_seq(num_blocks)`` -> a fresh cache for one sequence; ``score_model``: what
-    ``ch09.perplexity`` calls as the model (``_Prefilled``), default ``model``."""
+def _quality(model, make_seq, text, prompts, block_size: int) -> dict:
+    """``quality`` with ``make_seq(num_blocks)`` -> a fresh cache for one sequence. The text's prefill is chapter 09's
+    ``prefill``: computed once per text and weights, then replayed through each later cache's own ``attend`` and kept
+    only where every layer's output equals the recorded one bit for bit (the passkey prompts, each read once, are not
+    recorded)."""
     from . import ch09
 
     row = {}
     if text is not None:
-        ppl, nll = ch09.perplexity(score_model or model, make_seq(-(-text.shape[1] // block_size) + 2), text)
+        seq = make_seq(-(-text.shape[1] // block_size) + 2)
+        seq.prefill_whole = True  # its first call attends the whole first half; eviction comes after (commit)
+        ppl, nll = ch09.perplexity(model, seq, text)
         lo, hi = ch09.ppl_interval(nll)
         row.update(perplexity=ppl, ppl_low=lo, ppl_high=hi, nll=nll)
     if prompts:
@@ -374,6 +383,8 @@ class _Twin:
     reference alone would have fed the model the very same numbers at every step: its perplexity and passkey answers
     are yours. Any difference (or an error in the reference's step) sets ``same`` to False, and the reference is
     measured on its own."""
+
+    prefill_whole = False  # as OneSequence's
 
     def __init__(self, yours: OneSequence, reference: OneSequence):
         self.yours, self.reference, self.same = yours, reference, True
@@ -411,59 +422,14 @@ def quality_pair(model, cache_factory, reference_factory, text, prompts, block_s
     return yours, dict(yours) if twins and all(t.same for t in twins) else None
 
 
-# Chapter 09's perplexity prefills the first half of the text in one call; the reference cache evicts only after a
-# forward, so every reference build with the same block size holds the same K/V after that call and predicts the
-# same next token from it. One prefill serves them all: the evidence tables fork it (a deep copy of the cache and
-# its sequence), let each build's eviction run, and score the second half through each. Kept for the last model
-# (weights unchanged: the parameters' version counters) and text; with each build's result, so a configuration
-# that two tables show is measured once. tests/test_capstone.py checks both against fresh runs, bit for bit.
-_PREFILL: dict = {}
-
-
-class _Prefilled:
-    """The model as ``ch09.perplexity`` calls it, whose first call (the prefill of ``ids``) returns ``logits``,
-    computed once before; every other call is the model's."""
-
-    def __init__(self, model, ids, logits):
-        self.model, self.ids, self.logits = model, ids, logits
-
-    def __call__(self, ids, **kw):
-        if self.logits is not None and torch.equal(ids, self.ids) and kw.get("logits_to_keep") == 1:
-            out, self.logits = self.logits, None
-            return out
-        return self.model(ids, **kw)
-
-
-def _same_state(model, text, block_size) -> bool:
-    m = _PREFILL.get("model")
-    return (m is not None and m() is model and _PREFILL["versions"] == [p._version for p in model.parameters()]
-            and _PREFILL["block_size"] == block_size and torch.equal(_PREFILL["text"], text))
-
-
-@torch.no_grad()
 def reference_perplexity(model, text, decisions: dict) -> dict:
-    """``quality(model, factory(PagedInt8Cache, decisions), text, None, block_size)``, with chapter 09's prefill
-    computed once for every reference build of that block size (see ``_PREFILL``), and each build once."""
-    import copy
-    import weakref
-
+    """``quality(model, factory(PagedInt8Cache, decisions), text, None, block_size)``: the text's perplexity through the
+    reference build. Chapter 09's perplexity prefills the first half of the text in one call and the reference cache
+    evicts only after a forward, so every build of one block size attends that call alike: ``ch09.prefill`` computes
+    it once per text and weights and replays it through each later build's cache (``_quality``).
+    ``tests/test_capstone.py`` checks the figures against fresh runs, bit for bit."""
     bs = int(decisions["block_size"])
-    key = (decisions["rule"], None if decisions["rule"] == "none" else int(decisions["budget"]))
-    fresh = factory(PagedInt8Cache, decisions)(model, -(-text.shape[1] // bs) + 2, bs)  # checks the decisions
-    if not _same_state(model, text, bs):
-        donor = OneSequence(PagedInt8Cache.for_model(model, -(-text.shape[1] // bs) + 2, bs))
-        logits = model(text[:, : text.shape[1] // 2], cache=donor, logits_to_keep=1)
-        _PREFILL.clear()
-        _PREFILL.update(model=weakref.ref(model), versions=[p._version for p in model.parameters()], block_size=bs,
-                        text=text.clone(), donor=donor, logits=logits, rows={})
-    if key not in _PREFILL["rows"]:
-        seq = copy.deepcopy(_PREFILL["donor"])
-        seq.cache.budget, seq.cache.sink_blocks = fresh.budget, fresh.sink_blocks
-        seq.cache.evict(seq.seq_id)  # what this build's eviction does once the prefill's forward is committed
-        _PREFILL["rows"][key] = _quality(model, lambda n: seq, text, None, bs,
-                                         score_model=_Prefilled(model, text[:, : text.shape[1] // 2],
-                                                                _PREFILL["logits"]))
-    return dict(_PREFILL["rows"][key])
+    return quality(model, factory(PagedInt8Cache, decisions), text, None, bs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -756,8 +722,8 @@ def budget_evidence(model, target_bytes: int, budgets=(48, 64, 80, 96), block_si
     step, the most during one, the mean over the steps, the most during the prefill in chunks of ``chunk``), what a
     count of the budget's positions at fp16 and at int8 codes alone would say, and whether the decode peak meets
     ``target_bytes`` (the budget decision reads memory only) -> DataFrame indexed by budget. With ``text``, each
-    budget's perplexity too (``reference_perplexity``: a build that ``rule_evidence`` measured is not measured
-    again)."""
+    budget's perplexity too (``reference_perplexity``: the text's prefill shared with every build of that block
+    size)."""
     import pandas as pd
 
     from ..footprint import fp16_cache_bytes

@@ -43,22 +43,24 @@ def _median(xs):
 # --------------------------------------------------------------------------------------------
 
 
-def time_generators(model, prompt: list[int], lengths, budget_s: float = 2.0, max_rep: int = 10):
+def time_generators(model, prompt: list[int], lengths, budget_s: float = 1.0, max_rep: int = 10):
     """Wall times (s) of ``generate_naive`` and ``generate`` for each number of new tokens, the two alternating
     run by run (so both see the same background load): at least 3 runs each, more while ``budget_s`` lasts.
-    Returns (naive runs per length, cached runs per length, whether their tokens agreed at every length)."""
+    Returns (naive runs per length, cached runs per length, whether their tokens agreed at every length: the
+    first timed run of each loop is also the comparison, so no run is spent on the check alone)."""
     from tqdm.auto import tqdm
 
     t_naive, t_cached, same = [], [], True
     for n in tqdm(lengths, desc="naive vs cached"):
-        same &= torch.equal(generate_naive(model, [prompt], n), generate(model, [prompt], n))
-        runs = {generate_naive: [], generate: []}
+        runs, first = {generate_naive: [], generate: []}, {}
         start = time.perf_counter()
         while len(runs[generate]) < 3 or (len(runs[generate]) < max_rep and time.perf_counter() - start < budget_s):
             for fn, out in runs.items():
                 t0 = time.perf_counter()
-                fn(model, [prompt], n)
+                tokens = fn(model, [prompt], n)
                 out.append(time.perf_counter() - t0)
+                first.setdefault(fn, tokens)
+        same &= torch.equal(first[generate_naive], first[generate])
         t_naive.append(runs[generate_naive])
         t_cached.append(runs[generate])
     return t_naive, t_cached, same
@@ -188,7 +190,7 @@ def step_costs(model, prompt: list[int], steps: int = 200, budget_s: float = 1.0
     return out
 
 
-def forward_vs_tokens(model, Ts, budget_s: float = 0.5, min_rep: int = 5) -> list[list[float]]:
+def forward_vs_tokens(model, Ts, budget_s: float = 0.25, min_rep: int = 5) -> list[list[float]]:
     """Wall times (ms) of one forward pass (no cache) over T random tokens, for each T: round after round, one
     timed call per T after an untimed one (so every T sees the same background load, with warm caches), at
     least ``min_rep`` rounds and more while ``budget_s`` per T lasts (at most 50)."""
@@ -529,10 +531,25 @@ def cache_table(ours: KVCache, hf_caches):
     return pd.DataFrame(rows).set_index("cache")
 
 
+def timed(fn):
+    """(fn(), its wall time in ms): a run whose result is used and whose time is reported too."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
 def tokens_per_s(fn, n: int, budget_s: float, max_rep: int = 5):
     """(tokens per second from the median wall time of ``fn()``, which makes ``n`` tokens; the run times in ms)."""
     runs = bench.time_runs(fn, budget_s=budget_s, min_rep=1, max_rep=max_rep, warmup=0)
     return n / (_median(runs) / 1e3), runs
+
+
+def with_dtype(model, dtype):
+    """A copy of ``model`` with its weights in ``dtype`` (``model`` untouched): the same model that
+    ``load_pretrained(..., dtype=dtype)`` reads from the same fp32 checkpoint, without reading it again."""
+    import copy
+
+    return copy.deepcopy(model).to(dtype)
 
 
 def decode_step_bytes(m, depth: int, context: list[int]):
@@ -544,7 +561,7 @@ def decode_step_bytes(m, depth: int, context: list[int]):
         m(torch.tensor([ids], device=m.device), cache=c)  # prefill
         tok_in = torch.tensor([[context[-1]]], device=m.device)
         step = lambda: m(tok_in, positions=c.next_positions(), cache=c)  # noqa: E731
-        times = bench.time_runs(step, budget_s=2, min_rep=5, max_rep=40)  # at most 41 steps: fits the cache
+        times = bench.time_runs(step, budget_s=1, min_rep=5, max_rep=40)  # at most 41 steps: fits the cache
     weights = sum(p.numel() * p.element_size() for p in m.parameters())
     mean_depth = depth + (1 + len(times)) / 2  # the cache grows by one position per step
     kv = 2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim * mean_depth * c.k[0].element_size()

@@ -456,12 +456,18 @@ OURS_EXACT = "kvlib Int8KVCache's prefix, chunk's own K/V exact"
 
 
 @torch.no_grad()
-def hf_side_by_side(hf, model, ids, starts, backends, prefix: int = 256, chunk: int = 64):
+def hf_side_by_side(hf, model, ids, starts, backends, prefix: int = 256, chunk: int = 64, share_prefix: bool = True):
     """For each start in ``starts``: a ``prefix``-token prefix of ``ids`` through each cache (stored quantized),
     then the next ``chunk`` tokens in one forward attending over it. ``backends``: {name: QuantizedCache kwargs}.
     Rows: bytes of the stored prefix per cached number (scales included), whether the chunk's own K/V are
     quantized, the mean KL divergence (nats per token) from the same model's exact cache, the greedy agreement
-    with it, and the tokens scored."""
+    with it, and the tokens scored.
+
+    ``share_prefix``: a quantized cache's first ``update`` stores its quantized copy and hands the layer back the
+    exact K/V it was given, so the prefix forward is the same computation whatever the cache; the prefix runs once,
+    with the exact ``DynamicCache``, and each quantized cache is given that forward's K/V, layer by layer, through
+    the same ``update`` call the forward makes (False: one prefix forward per cache; the tests check both give the
+    same table)."""
     import warnings
 
     import pandas as pd
@@ -486,19 +492,25 @@ def hf_side_by_side(hf, model, ids, starts, backends, prefix: int = 256, chunk: 
         p = torch.tensor([ids[s0:s0 + prefix]], device=hf.device)
         c = torch.tensor([ids[s0 + prefix:s0 + prefix + chunk]], device=hf.device)
 
-        def run(cache, count=None):
+        def run(cache, count=None, prefix_kv=None):
             with warnings.catch_warnings():  # transformers 5 renames past_key_values; 4.x knows only that name
                 warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
-                hf(p, past_key_values=cache, use_cache=True)
+                if prefix_kv is None:
+                    hf(p, past_key_values=cache, use_cache=True)
+                else:  # the exact prefix forward's K/V, handed to the cache as that forward hands them
+                    for i, (k, v) in enumerate(prefix_kv):
+                        cache.update(k, v, i)
                 held = None if count is None else sum(count(layer) for layer in cache.layers)  # the prefix, stored
                 return hf(c, past_key_values=cache, use_cache=True).logits[0].float(), held
 
-        exact, _ = run(DynamicCache(config=cfg))
+        dynamic = DynamicCache(config=cfg)
+        exact, _ = run(dynamic)
+        prefix_kv = [(layer.keys[:, :, :prefix], layer.values[:, :, :prefix]) for layer in dynamic.layers]
         quant, chunk_exact, ours_exact, held = _ours(model, ids[s0:s0 + prefix], ids[s0 + prefix:s0 + prefix + chunk])
         add(OURS_QUANT, quant, ours_exact, held, "quantized")
         add(OURS_EXACT, chunk_exact, ours_exact, held, "exact")
         for name, kw in backends.items():
-            logits, held = run(QuantizedCache(config=cfg, **kw), _hf_bytes)
+            logits, held = run(QuantizedCache(config=cfg, **kw), _hf_bytes, prefix_kv if share_prefix else None)
             add(name, logits, exact, held, "quantized" if kw.get("backend") == "fp8" else "exact")
     return pd.DataFrame({name: {"bytes per cached number": r["bytes per cached number"],
                                 "chunk's own K/V": r["chunk's own K/V"], "mean KL (nats)": r["kl"] / r["n"],

@@ -137,11 +137,14 @@ def next_token_scores(model, ids: torch.Tensor, head_map=None) -> tuple[float, f
     return F.cross_entropy(logits, targets).item(), (logits.argmax(-1) == targets).float().mean().item()
 
 
-def hf_twin(model, ids: torch.Tensor):
+def hf_twin(model, ids: torch.Tensor, folder=None):
     """``model``'s weights in a ``transformers`` ``LlamaForCausalLM`` (through ``kvlib.bench.peers``, SDPA
     attention), run on ``ids`` with a ``DynamicCache``. Returns (the twin's config, max |logits - ours|, the K
     tensor of its cache's first layer, how many attention calls took each of the SDPA path's three GQA branches),
-    or None when transformers is not installed."""
+    or None when transformers is not installed.
+
+    ``folder``: where ``kvlib.model.save_hf`` already wrote ``model``'s checkpoint (``load_pretrained``'s converted
+    copy): read from there instead of writing the same files again (the logits compared show it is the same model)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -154,7 +157,14 @@ def hf_twin(model, ids: torch.Tensor):
 
     from .ch04 import hf_cache_tensors
 
-    hf = hf_model_from_kvlib(model)
+    if folder is None:
+        hf = hf_model_from_kvlib(model)
+    else:
+        from kvlib.bench.peers import _quiet_transformers
+
+        with _quiet_transformers():
+            hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                               attn_implementation="sdpa").eval()
     cache = DynamicCache()
     arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # 5.x / 4.x
     with torch.no_grad(), _count_gqa_branches() as branches:
@@ -312,12 +322,15 @@ def conversion_quality(model, train_ids, val_ids, heads=(4, 2, 1), *, steps=100,
     n_windows = all_windows if windows is None else min(windows, all_windows)
     tune = dict(steps=steps, batch=batch, seq_len=seq, peak_lr=peak_lr, end_lr=end_lr, warmup=warmup, progress=progress)
 
-    def scores(m):
+    def loss(m):
+        return evaluate(m, val_ids, 128, max_windows=n_windows)
+
+    def scores(m):  # after a fine-tune: the loss and the agreement with the original
         with torch.no_grad():
             agree = (m(probe).argmax(-1) == ref_next).float().mean().item()
-        return evaluate(m, val_ids, 128, max_windows=n_windows), agree
+        return loss(m), agree
 
-    loss0, _ = scores(model)
+    loss0 = loss(model)  # each model is evaluated once per state; the original agrees with itself by definition
     H = model.config.n_kv_heads
     rows = [dict(model=f"original (MHA, {H} K/V heads)", kv_heads=H, before=loss0, after=loss0, agreement=1.0)]
     control = copy.deepcopy(model)
@@ -327,7 +340,7 @@ def conversion_quality(model, train_ids, val_ids, heads=(4, 2, 1), *, steps=100,
     for g in heads:
         torch.manual_seed(0)
         converted = mha_to_gqa(model, g)
-        before = scores(converted)[0]
+        before = loss(converted)
         finetune_scheduled(converted, train_ids, **tune)
         rows.append(dict(model=f"{'MQA' if g == 1 else 'GQA'}, {g} K/V heads", kv_heads=g, before=before,
                          **dict(zip(("after", "agreement"), scores(converted)))))

@@ -458,7 +458,8 @@ def speed_session(model, tok, prompts: dict, ks, n_new: dict, reps: int = 5, siz
                   cache_len: int = 128):
     """``speed_runs`` with the prediction's inputs measured between its repetitions, so that the machine's drift hits
     them as it hits the runs: before each repetition one forward over each T in ``sizes`` (cache of ``cache_len``)
-    and one prefill per task. Returns (runs, {T: median ms}, {task: median prefill ms})."""
+    and one prefill per task. Returns (runs, {T: [ms, one per repetition]}, {task: median prefill ms}): the
+    forward costs as ``forward_costs`` gives them (section 6's table reads them; ``speed_table`` their medians)."""
     sweep = _sweeper(model, list(sizes), cache_len, seed=1)
     costs, pre = {T: [] for T in sizes}, {task: [] for task in prompts}
 
@@ -469,8 +470,7 @@ def speed_session(model, tok, prompts: dict, ks, n_new: dict, reps: int = 5, siz
             pre[task].append(ms)
 
     runs = speed_runs(model, tok, prompts, ks, n_new, reps=reps, between=between)
-    return (runs, {T: statistics.median(ms) for T, ms in costs.items()},
-            {task: statistics.median(ms) for task, ms in pre.items()})
+    return runs, costs, {task: statistics.median(ms) for task, ms in pre.items()}
 
 
 def transformers_names() -> str:

@@ -43,8 +43,8 @@ from ..stats import wilson
 from . import ch09
 
 __all__ = ["P_LEN", "N_PROMPTS", "BLOCK", "TOKEN_BUDGET", "DENSE_LAYERS", "split_prompt", "quest_for",
-           "position_bytes", "quest_passkey", "score_late", "answer_read", "bound_recall", "prefill_queries",
-           "key_in_window", "split_hits", "window_rows", "hybrid_row", "spare_table", "prefix_table",
+           "position_bytes", "quest_passkey", "score_late", "eviction_passkey", "answer_read", "bound_recall",
+           "prefill_queries", "key_in_window", "split_hits", "window_rows", "hybrid_row", "spare_table", "prefix_table",
            "retention_demo", "passkey_bars",
            "perplexity_interval_line", "full_cache_perplexity", "window_evidence", "check_window_choice"]
 
@@ -80,62 +80,100 @@ def _zero_counters(cache: QuestCache):
         t.zero_()
 
 
-def _hits(logits: torch.Tensor, answer: list) -> bool:
-    return bool((logits.argmax(-1).cpu() == torch.tensor(answer)).all())
+def _hits(logits: torch.Tensor, answers: torch.Tensor) -> list:
+    """logits (B, A, V), answers (B, A) -> per sequence: every answer token is the argmax."""
+    return (logits.argmax(-1).cpu() == answers.cpu()).all(-1).tolist()
+
+
+def _batches(prompts: list, n_question: int, batch: int | None):
+    """The prompts in groups of ``batch`` (all of them by default) -> (texts (B, n), questions (B, nq), answers
+    (B, A)) tensors on the CPU. Every prompt has the same length, question and answer length (``passkey_prompts``),
+    so a group is one rectangular call: the decode-sized calls after the text (a few tokens each) cost about one
+    read of the weights per group instead of one per prompt."""
+    batch = len(prompts) if batch is None else batch
+    for i in range(0, len(prompts), batch):
+        part = prompts[i: i + batch]
+        docs, questions = zip(*(split_prompt(p, n_question) for p in part))
+        if len({len(d) for d in docs}) != 1 or len({len(p.answer) for p in part}) != 1:
+            raise ValueError("the prompts of one batch must have one length and one answer length")
+        yield torch.tensor(docs), torch.tensor(questions), torch.tensor([list(p.answer) for p in part])
+
+
+def _call(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """ids (B, T) at positions start .. start + T - 1 -> logits (B, T, V)."""
+    B, T = ids.shape
+    dev = model.device
+    return model(ids.to(dev), positions=torch.arange(start, start + T, device=dev).expand(B, -1), cache=cache)
 
 
 @torch.no_grad()
-def quest_passkey(model, prompts: list, n_question: int, token_budget: int = TOKEN_BUDGET) -> dict:
+def quest_passkey(model, prompts: list, n_question: int, token_budget: int = TOKEN_BUDGET,
+                  batch: int | None = None) -> dict:
     """The full cache, Quest with the question in the prompt and Quest with the question after caching, on every
-    prompt (module docstring: one dense prefill of the text per prompt, three continuations). Returns
-    {"full", "Quest", "Quest late"}: lists of bool (retrieved), and "read", "read late": Quest's mean positions read
-    per sparse query and layer (the answer's tokens after the first; the question's and the answer's tokens).
+    prompt (module docstring: one dense prefill of the text per prompt, three continuations), ``batch`` prompts per
+    call (all by default). Returns {"full", "Quest", "Quest late"}: lists of bool (retrieved), and "read",
+    "read late": Quest's mean positions read per sparse query and layer (the answer's tokens after the first; the
+    question's and the answer's tokens), averaged over the prompts.
     "Quest" is also Quest's code on a question that arrives after the text (its multi-token call read densely);
     "Quest late" is the course's variant, every query after the text read sparsely."""
-    dev, pos_b = model.device, position_bytes(model)
+    pos_b = position_bytes(model)
     out = {"full": [], "Quest": [], "Quest late": [], "read": [], "read late": []}
-    for p in prompts:
-        doc, question = split_prompt(p, n_question)
-        ans = p.answer
-        cache = quest_for(model, 1, len(p.ids) + len(ans), token_budget)
-        model(torch.tensor([doc], device=dev), cache=cache, logits_to_keep=1)  # dense prefill of the text
-        n, nq = len(doc), len(question)
+    for docs, questions, ans in _batches(prompts, n_question, batch):
+        (B, n), nq = docs.shape, questions.shape[1]
+        cache = quest_for(model, B, n + nq + ans.shape[1], token_budget)
+        cache.prefill_whole = True  # its first call attends the whole text densely: chapter 09's prefill records it
+        ch09.prefill(model, cache, docs.to(model.device))  # dense prefill of the text
 
-        def call(ids, start):
-            return model(torch.tensor([ids], device=dev), positions=torch.arange(start, start + len(ids),
-                                                                                  device=dev)[None], cache=cache)[0]
+        def cut(length):
+            for b in range(B):
+                cache.truncate(b, length)
+            _zero_counters(cache)
+
         cache.dense_multi_token = True  # the question densely: what a one-call prefill of the prompt computes
-        first = call(question, n)[-1:]  # predicts the first answer token
-        out["full"].append(_hits(torch.cat([first, call(ans[:-1], n + nq)]), ans))  # the answer densely too
-        cache.truncate(0, n + nq)
+        first = _call(model, cache, questions, n)[:, -1:]  # predicts the first answer token
+        out["full"] += _hits(torch.cat([first, _call(model, cache, ans[:, :-1], n + nq)], 1), ans)  # answer dense
+        cut(n + nq)
         cache.dense_multi_token = False
-        _zero_counters(cache)
-        out["Quest"].append(_hits(torch.cat([first, call(ans[:-1], n + nq)]), ans))  # the answer sparsely
-        out["read"].append(cache.bytes_read_per_step(0) / pos_b)
-        cache.truncate(0, n)
-        _zero_counters(cache)
-        late = call(question + ans[:-1], n)[nq - 1:]  # the question sparsely too
-        out["Quest late"].append(_hits(late, ans))
-        out["read late"].append(cache.bytes_read_per_step(0) / pos_b)
+        out["Quest"] += _hits(torch.cat([first, _call(model, cache, ans[:, :-1], n + nq)], 1), ans)  # sparse
+        out["read"] += [cache.bytes_read_per_step(b) / pos_b for b in range(B)]
+        cut(n)
+        late = _call(model, cache, torch.cat([questions, ans[:, :-1]], 1), n)[:, nq - 1:]  # the question sparse too
+        out["Quest late"] += _hits(late, ans)
+        out["read late"] += [cache.bytes_read_per_step(b) / pos_b for b in range(B)]
     out["read"] = sum(out["read"]) / len(prompts)
     out["read late"] = sum(out["read late"]) / len(prompts)
     return out
 
 
 @torch.no_grad()
-def score_late(model, make_cache, prompts: list, n_question: int) -> list:
-    """The question after caching, through a fresh ``make_cache()`` per prompt: the text first (one call), then
-    the question and the answer's tokens but the last (one call) -> list of bool, every answer token right."""
-    dev, hits = model.device, []
-    for p in prompts:
-        doc, question = split_prompt(p, n_question)
-        cache = make_cache()
-        model(torch.tensor([doc], device=dev), cache=cache, logits_to_keep=1)
-        seq = question + p.answer[:-1]
-        logits = model(torch.tensor([seq], device=dev),
-                       positions=torch.arange(len(doc), len(doc) + len(seq), device=dev)[None], cache=cache)[0]
-        hits.append(_hits(logits[len(question) - 1:], p.answer))
+def score_late(model, make_cache, prompts: list, n_question: int, batch: int | None = None) -> list:
+    """The question after caching, through a fresh ``make_cache(B)`` per group of ``batch`` prompts (all by
+    default): the text first (one call), then the question and the answer's tokens but the last (one call)
+    -> list of bool, every answer token right."""
+    hits = []
+    for docs, questions, ans in _batches(prompts, n_question, batch):
+        cache = make_cache(docs.shape[0])
+        ch09.prefill(model, cache, docs.to(model.device))  # a cache that attends the text whole replays its record
+        logits = _call(model, cache, torch.cat([questions, ans[:, :-1]], 1), docs.shape[1])
+        hits += _hits(logits[:, questions.shape[1] - 1:], ans)
     return hits
+
+
+def eviction_passkey(model, prompts: list, n_question: int, b_in: int, b_late: int) -> dict:
+    """Section 2's eviction rules at Quest's reads: SnapKV with the question in the prompt (chapter 09's scorer, one
+    prompt per call: its prefill is the cost, and a batch saves nothing there) at ``b_in`` positions; SnapKV and
+    sinks + window with the question after caching (``score_late``, every prompt in one call) at ``b_late``
+    -> {"SnapKV", "SnapKV late", "sinks + window late"}: lists of bool. SnapKV as
+    published, its window min(16, b // 2) (chapter 09a's ``RULES``). The late SnapKV attends the text whole, so it
+    reads the text's prefill that ``quest_passkey`` recorded (``ch09.prefill``: kept only where each layer's output
+    is bit for bit the recorded one, else computed); that record is dropped before the in-prompt run records its own."""
+    snapkv, sinks = ch09.RULES["SnapKV"], ch09.RULES["sinks + window"]
+    late = {"SnapKV late": score_late(model, lambda B: snapkv(model, B, b_late), prompts, n_question),
+            "sinks + window late": score_late(model, lambda B: sinks(model, B, b_late), prompts, n_question)}
+    for docs, _, _ in _batches(prompts, n_question, None):
+        ch09._forget_prefill(model, docs.to(model.device))
+    return {"SnapKV": ch09.score_passkey(model, lambda B: snapkv(model, B, b_in), prompts, batch=1)["retrieved"],
+            **late}
 
 
 def answer_read(method: str, P: int, n_answer: int, per_query: float) -> float:

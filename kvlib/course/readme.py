@@ -100,10 +100,10 @@ ROWS = [
     Row("tiny model, 40 requests: steps; TTFT p99 in steps (static vs continuous batching)", "08a_serving_many_requests.ipynb",
         r"steps: static (?P<s>\d+), continuous (?P<c>\d+); TTFT p99 in steps: static (?P<s99>\d+), continuous (?P<c99>\d+)",
         "{s} vs {c}; {s99} vs {c99}"),
-    Row("tiny model, RAG-like load: prompt tokens from the prefix cache; tokens prefilled with vs without", "08b_prefix_cache.ipynb",
+    Row("tiny model, RAG-like load: prompt tokens from the prefix cache; prefilled with vs without", "08b_prefix_cache.ipynb",
         r"With prefix caching the engine served (?P<hit>[\d.]+%) of the prompt tokens from the cache and prefilled "
         r"(?P<a>[\d,]+) tokens instead of (?P<b>[\d,]+)", "{hit}; {a} vs {b}"),
-    Row("SmolLM2, 8 requests, 3 trials, median tokens/s: kvlib / `generate_batch` / padded `generate`",
+    Row("SmolLM2, 8 requests, 3 trials, median tok/s: kvlib / `generate_batch` / padded `generate`",
         "08b_prefix_cache.ipynb",
         (r"serving only, tokens/s: kvlib (?P<ks>[\d.]+), generate_batch (?P<cbs>[\d.]+), padded generate (?P<sts>[\d.]+)",
          r"whole call, tokens/s: kvlib (?P<k>[\d.]+), generate_batch (?P<cb>[\d.]+), padded generate (?P<st>[\d.]+)",
@@ -111,7 +111,7 @@ ROWS = [
          r"padded generate (?P<stsr>[\d.]+-[\d.]+); separated: (?P<seps>[^\n]+)",
          r"whole call, min-max over \d+ trials: kvlib (?P<kr>[\d.]+-[\d.]+), generate_batch (?P<cbr>[\d.]+-[\d.]+), "
          r"padded generate (?P<stwr>[\d.]+-[\d.]+); separated: (?P<sepw>[^\n]+)"),
-        "serving only {ks} / {cbs} / {sts} (separated: {seps}); whole call {k} / {cb} / {st} (separated: {sepw})"),
+        "serving {ks} / {cbs} / {sts} (separated: {seps}); whole call {k} / {cb} / {st} (separated: {sepw})"),
     Row("SmolLM2 full cache: perplexity on code; passkey, 24 prompts of 160 tokens (95% CI)", "09a_keeping_fewer_positions.ipynb",
         r"full cache: perplexity (?P<p>[\d.]+) \[[\d.]+, [\d.]+\], passkey (?P<k>\d+/\d+ = \d+% \[\d+, \d+\])",
         "{p}; {k}"),
