@@ -213,3 +213,16 @@ def test_a_rank_function_spawn_cannot_import_is_named(tmp_path):
 def test_rank_store_is_only_available_inside_a_rank():
     with pytest.raises(RuntimeError, match="only available inside a rank"):
         launch.rank_store()
+
+
+def _sum_of(rank, world_size, tensors):
+    return float(sum(t.sum() for t in tensors))
+
+
+def test_arguments_with_hundreds_of_tensors_reach_every_rank():
+    """torch shares each tensor's storage through a file descriptor; the fork server takes at most a few hundred
+    with a process's arguments (SmolLM2 has 272 tensors), so fn and its arguments travel on the rank's pipe."""
+    import torch
+
+    tensors = [torch.full((3,), float(i)) for i in range(600)]
+    assert launch.run(_sum_of, 2, tensors, timeout_s=120) == [3.0 * sum(range(600))] * 2

@@ -197,10 +197,20 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="kvlib-parent-watch").start()
 
 
-def _worker(rank, world_size, fn, args, backend, port, timeout_s, conn, parent):
-    """One rank: say it started, join the group, run fn, send back ("ok", pickled result) or ("error", traceback
-    text)."""
+def _worker(rank, world_size, backend, port, timeout_s, conn, parent):
+    """One rank: receive (fn, args), say it started, join the group, run fn, send back ("ok", pickled result) or
+    ("error", traceback text); ("unpickled", traceback text) if fn or its arguments could not be received.
+
+    fn and args come through the pipe, not as the process's arguments: the fork server passes those with at most
+    a few hundred file descriptors, and torch shares each tensor's storage through one (SmolLM2 has 272 tensors);
+    sent on a pipe, they go through multiprocessing's resource sharer, which has no such limit."""
     global _RANK_STORE
+    try:
+        fn, args = conn.recv()
+    except BaseException:
+        conn.send(("unpickled", traceback.format_exc()))
+        conn.close()
+        os._exit(1)
     conn.send(("started", None))  # the rank got this far: it imported fn and the parent's script (if any)
     _exit_with_parent(parent)
     import torch
@@ -284,13 +294,18 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
     ok = False
     try:
         for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
+            reader, writer = ctx.Pipe()  # duplex: (fn, args) to the rank, its status back
             p = ctx.Process(target=_worker, daemon=True, name=f"kvlib-rank{rank}",
-                            args=(rank, world_size, fn, args, backend, store.port, timeout_s, writer, os.getpid()))
+                            args=(rank, world_size, backend, store.port, timeout_s, writer, os.getpid()))
             p.start()
             writer.close()  # the child holds its own copy
             procs.append(p)
             readers[reader] = rank
+        for reader, rank in readers.items():
+            try:
+                reader.send((fn, args))
+            except (BrokenPipeError, EOFError, OSError):  # the rank already died: its status (EOF) says so below
+                pass
         deadline = time.monotonic() + timeout_s
         pending = dict(readers)  # reader -> rank, for the ranks that have not answered
         started: set[int] = set()  # ranks whose process got as far as running _worker
@@ -322,6 +337,12 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
                     continue
                 if status == "error":
                     raise RankFailed(rank, world_size, fn_name, payload)
+                if status == "unpickled":
+                    raise RankFailed(rank, world_size, fn_name,
+                                     f"the rank could not receive fn and its arguments, before it could run fn: it "
+                                     f"could not import fn, or re-ran your script's top level. Define fn at the top "
+                                     f"level of an importable module (not under `if __name__ == '__main__'`) and put "
+                                     f"the launch under `if __name__ == '__main__'`. The rank's traceback:\n{payload}")
                 results[rank] = pickle.loads(payload)
         ok = True
     finally:
