@@ -115,7 +115,7 @@ def _check_importable(fn) -> None:
             raise ValueError(f"fn={name} is defined in a notebook or an interactive session (module __main__): "
                              f"a new process cannot import it. Put it in a .py module "
                              f"(the chapter's are in kvlib/course/) and import it from there")
-        return  # a script: each new process re-imports it as __mp_main__ (its work must sit under `if __name__ == "__main__"`)
+        return  # a script: each new process re-imports it as __mp_main__ (its work sits under `if __name__ == ...`)
     try:
         obj = importlib.import_module(module)
         for part in name.split("."):
@@ -283,7 +283,6 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
     return fn's return values by rank. See the module docstring for what is stopped and raised when."""
     _check_args(fn, world_size, timeout_s)
     backend = pick_backend(backend, world_size)
-    import torch.multiprocessing as mp
     from multiprocessing.connection import wait
 
     fn_name = getattr(fn, "__qualname__", repr(fn))
