@@ -25,7 +25,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TORCH_SPEC)
-	$(BIN)/python -m pip install -e ".[dev]"
+	@# uv installs the rest in seconds where pip takes about 1.5 minutes (parallel downloads, no byte-compiling);
+	@# torch stays the one pip chose (pinned); anything uv cannot do (a private index it does not read) falls to pip.
+	@$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
+	$(BIN)/python -m pip install -q uv && $(BIN)/python -m uv pip install --python $(BIN)/python \
+		--constraint $(VENV)/torch-pin.txt -e ".[dev]" || $(BIN)/python -m pip install -e ".[dev]"
 	@touch $(STAMP)
 
 lab: $(STAMP)
