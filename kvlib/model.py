@@ -483,8 +483,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
             f"{folder}: no *.safetensors file (found {found}); pickled .bin checkpoints are not loaded"
         )
 
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = empty_transformer(config)
     expected = {n: p for n, p in model.state_dict().items()}
     names = _hf_to_ours()
     for i in range(config.n_layers):
@@ -529,9 +528,30 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
     return fill_meta_model(model, state, dtype, device)
 
 
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+
+
+def empty_transformer(config: ModelConfig) -> Transformer:
+    """``Transformer(config)`` with its parameters allocated but not initialised, for weights loaded next
+    (``fill_meta_model``): PyTorch's initialisers are skipped while it is built, as transformers'
+    ``no_init_weights`` does, and ``torch.empty`` pages are not touched, so nothing is computed or paid twice.
+    (Building it on the meta device does the same, but the first operation on a meta tensor imports
+    ``torch._dynamo``: 1.3 s of CPU in every notebook that loads a model.)"""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        return Transformer(config)
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def fill_meta_model(model: Transformer, state: dict, dtype: torch.dtype, device) -> Transformer:
-    """A model built on the meta device, given real storage on ``device`` and every tensor of ``state``
-    (checked complete by the caller): the RoPE table rebuilt in fp32, tied embeddings tied again."""
+    """A model built without its weights (``empty_transformer``, or on the meta device), given real storage on
+    ``device`` and every tensor of ``state`` (checked complete by the caller): the RoPE table rebuilt in fp32,
+    tied embeddings tied again."""
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     model.inv_freq = rope_frequencies(model.config).to(device)  # a buffer, not in any file
@@ -596,8 +616,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     path = Path(path).expanduser()
     reader = gguf_reader(path)
     config = ModelConfig(**gguf_config(reader, str(path)))
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = empty_transformer(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     state = gguf_state_dict(reader, path, config, expected, dtype)
     return fill_meta_model(model, state, dtype, device), Tokenizer.from_gguf(reader, str(path))

@@ -629,6 +629,32 @@ def predicted_markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def compile_in_processes(archs, modules=None, jobs: int = 2) -> list[dict]:
+    """``compile_all``'s rows, each architecture built by ``python -m kvlib.course.compile_check --json --arch A`` in
+    a process of its own, ``jobs`` at a time: the same rows, grouped by architecture. A kernel is reported as
+    launched by no spec only when no process built it (a spec may name its ``archs``), and then once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(arch):
+        cmd = [sys.executable, "-m", "kvlib.course.compile_check", "--json", "--arch", str(arch)]
+        out = subprocess.run(cmd + (["--module", *modules] if modules else []), capture_output=True, text=True)
+        lines = out.stdout.strip().splitlines()
+        if not lines:
+            return [dict(module=None, spec=None, kernel=None, arch=f"sm_{arch}", ok=False,
+                         error=f"the sm_{arch} process printed nothing (exit {out.returncode}): {out.stderr[-2000:]}")]
+        return json.loads(lines[-1])
+
+    with ThreadPoolExecutor(max(1, int(jobs))) as pool:
+        parts = list(pool.map(one, archs))
+    def unlaunched(r):
+        return r.get("arch") is None and r.get("kernel") is not None
+
+    everywhere = set.intersection(*({(r["module"], r["kernel"]) for r in part if unlaunched(r)} for part in parts))
+    rows = [r for part in parts for r in part if r.get("arch") is not None]
+    return rows + [r for r in parts[0] if r.get("arch") is None  # a spec without a name or launch: every process
+                   and (not unlaunched(r) or (r["module"], r["kernel"]) in everywhere)]
+
+
 def write_predicted(rows, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(predicted_markdown(rows), encoding="utf-8")
@@ -641,11 +667,16 @@ def main(argv=None):
                     help="compute capabilities, e.g. 75 80 90")
     ap.add_argument("--module", nargs="+", metavar="NAME", help="only these kvlib modules, e.g. cache gqa")
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="build each architecture in a process of its own, N at a time (the same rows)")
     ap.add_argument("--predicted", metavar="FILE", help="also write the predicted ceilings as markdown to FILE")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("compile_check: run with TRITON_INTERPRET=0 (the interpreter cannot compile kernels)")
-    rows = compile_all(tuple(args.arch), args.module)
+    if args.jobs > 1 and len(args.arch) > 1:
+        rows = compile_in_processes(args.arch, args.module, args.jobs)
+    else:
+        rows = compile_all(tuple(args.arch), args.module)
     if args.json:
         print(json.dumps(rows, default=str))
     else:
