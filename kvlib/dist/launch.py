@@ -278,6 +278,40 @@ def _stop(procs, grace_s: float) -> None:
             p.join(2.0)
 
 
+def _died(rank: int, proc, started: bool, world_size: int, fn_name: str) -> RankFailed:
+    """The error for a rank whose process ended without a word (its pipe closed)."""
+    proc.join(1.0)
+    if not started:  # before _worker ran: the process's own start-up failed
+        return RankFailed(rank, world_size, fn_name,
+                          f"the process ended (exit code {proc.exitcode}) before it could run fn: it could not import "
+                          f"fn, or re-ran your script's top level. Define fn at the top level of an importable module "
+                          f"(not under `if __name__ == '__main__'`) and put the launch under `if __name__ == "
+                          f"'__main__'`; the rank's stderr above shows the cause")
+    return RankFailed(rank, world_size, fn_name,  # killed, segfault, os._exit
+                      f"the process exited (exit code {proc.exitcode}) without returning or raising: killed, out of "
+                      f"memory, or a crash in native code")
+
+
+def _crashed(pending: dict, procs: list, started: set, grace_s: float) -> int | None:
+    """The first of the ``pending`` ranks (reader -> rank) whose process ends without a word within ``grace_s``, or
+    None. Whatever else they send in that time is dropped: the run is failing."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + grace_s
+    pending = dict(pending)
+    while pending and (left := deadline - time.monotonic()) > 0:
+        for reader in wait(list(pending), timeout=left):
+            rank = pending.pop(reader)
+            try:
+                status, _ = reader.recv()
+            except (EOFError, OSError):
+                return rank
+            if status == "started":
+                started.add(rank)
+                pending[reader] = rank
+    return None
+
+
 def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float = 60.0) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes joined by torch.distributed;
     return fn's return values by rank. See the module docstring for what is stopped and raised when."""
@@ -319,22 +353,17 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
                 try:
                     status, payload = reader.recv()
                 except (EOFError, OSError):  # the process died without a word
-                    procs[rank].join(1.0)
-                    if rank not in started:  # before _worker ran: the process's own start-up failed
-                        raise RankFailed(rank, world_size, fn_name,
-                                         f"the process ended (exit code {procs[rank].exitcode}) before it could run "
-                                         f"fn: it could not import fn, or re-ran your script's top level. Define fn "
-                                         f"at the top level of an importable module (not under `if __name__ == "
-                                         f"'__main__'`) and put the launch under `if __name__ == '__main__'`; the "
-                                         f"rank's stderr above shows the cause") from None
-                    raise RankFailed(rank, world_size, fn_name,  # killed, segfault, os._exit
-                                     f"the process exited (exit code {procs[rank].exitcode}) without returning or "
-                                     f"raising: killed, out of memory, or a crash in native code") from None
+                    raise _died(rank, procs[rank], rank in started, world_size, fn_name) from None
                 if status == "started":
                     started.add(rank)
                     pending[reader] = rank  # wait for its answer
                     continue
                 if status == "error":
+                    # a rank whose peer crashed fails too (gloo: "connection closed by peer"), often first: the
+                    # crash is the cause, so the other ranks get a moment to show one before this error is raised
+                    crashed = _crashed(pending, procs, started, grace_s=2.0)
+                    if crashed is not None:
+                        raise _died(crashed, procs[crashed], crashed in started, world_size, fn_name)
                     raise RankFailed(rank, world_size, fn_name, payload)
                 if status == "unpickled":
                     raise RankFailed(rank, world_size, fn_name,
