@@ -646,6 +646,7 @@ def compile_in_processes(archs, modules=None, jobs: int = 2) -> list[dict]:
 
     with ThreadPoolExecutor(max(1, int(jobs))) as pool:
         parts = list(pool.map(one, archs))
+
     def unlaunched(r):
         return r.get("arch") is None and r.get("kernel") is not None
 
