@@ -278,21 +278,24 @@ def _stop(procs, grace_s: float) -> None:
             p.join(2.0)
 
 
+# why a rank could not get as far as running fn, and what to do about it
+_IMPORT_HINT = ("it could not import fn, or re-ran your script's top level. Define fn at the top level of an "
+                "importable module (not under `if __name__ == '__main__'`) and put the launch under "
+                "`if __name__ == '__main__'`")
+
+
 def _died(rank: int, proc, started: bool, world_size: int, fn_name: str) -> RankFailed:
     """The error for a rank whose process ended without a word (its pipe closed)."""
     proc.join(1.0)
     if not started:  # before _worker ran: the process's own start-up failed
-        return RankFailed(rank, world_size, fn_name,
-                          f"the process ended (exit code {proc.exitcode}) before it could run fn: it could not import "
-                          f"fn, or re-ran your script's top level. Define fn at the top level of an importable module "
-                          f"(not under `if __name__ == '__main__'`) and put the launch under `if __name__ == "
-                          f"'__main__'`; the rank's stderr above shows the cause")
+        return RankFailed(rank, world_size, fn_name, f"the process ended (exit code {proc.exitcode}) before it could "
+                                                     f"run fn: {_IMPORT_HINT}; the rank's stderr above shows the cause")
     return RankFailed(rank, world_size, fn_name,  # killed, segfault, os._exit
                       f"the process exited (exit code {proc.exitcode}) without returning or raising: killed, out of "
                       f"memory, or a crash in native code")
 
 
-def _crashed(pending: dict, procs: list, started: set, grace_s: float) -> int | None:
+def _crashed(pending: dict, started: set, grace_s: float) -> int | None:
     """The first of the ``pending`` ranks (reader -> rank) whose process ends without a word within ``grace_s``, or
     None. Whatever else they send in that time is dropped: the run is failing."""
     from multiprocessing.connection import wait
@@ -361,16 +364,13 @@ def run(fn, world_size: int, *args, backend: str | None = None, timeout_s: float
                 if status == "error":
                     # a rank whose peer crashed fails too (gloo: "connection closed by peer"), often first: the
                     # crash is the cause, so the other ranks get a moment to show one before this error is raised
-                    crashed = _crashed(pending, procs, started, grace_s=2.0)
+                    crashed = _crashed(pending, started, grace_s=2.0)
                     if crashed is not None:
                         raise _died(crashed, procs[crashed], crashed in started, world_size, fn_name)
                     raise RankFailed(rank, world_size, fn_name, payload)
                 if status == "unpickled":
-                    raise RankFailed(rank, world_size, fn_name,
-                                     f"the rank could not receive fn and its arguments, before it could run fn: it "
-                                     f"could not import fn, or re-ran your script's top level. Define fn at the top "
-                                     f"level of an importable module (not under `if __name__ == '__main__'`) and put "
-                                     f"the launch under `if __name__ == '__main__'`. The rank's traceback:\n{payload}")
+                    raise RankFailed(rank, world_size, fn_name, f"the rank could not receive fn and its arguments, "
+                                     f"before it could run fn: {_IMPORT_HINT}. The rank's traceback:\n{payload}")
                 results[rank] = pickle.loads(payload)
         ok = True
     finally:
