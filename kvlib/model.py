@@ -483,7 +483,8 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
             f"{folder}: no *.safetensors file (found {found}); pickled .bin checkpoints are not loaded"
         )
 
-    model = empty_transformer(config)
+    with torch.device("meta"):
+        model = Transformer(config)
     expected = {n: p for n, p in model.state_dict().items()}
     names = _hf_to_ours()
     for i in range(config.n_layers):
@@ -616,7 +617,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, device: str 
     path = Path(path).expanduser()
     reader = gguf_reader(path)
     config = ModelConfig(**gguf_config(reader, str(path)))
-    model = empty_transformer(config)
+    with torch.device("meta"):
+        model = Transformer(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     state = gguf_state_dict(reader, path, config, expected, dtype)
     return fill_meta_model(model, state, dtype, device), Tokenizer.from_gguf(reader, str(path))

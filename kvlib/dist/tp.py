@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import KVCache
-from ..model import ModelConfig, Transformer, empty_transformer
+from ..model import ModelConfig, Transformer
 
 __all__ = ["TPPlan", "plan", "shard_model", "RowParallelLinear", "kv_bytes_per_rank", "generate_tp"]
 
@@ -139,7 +139,8 @@ def shard_model(model: Transformer, rank: int, tp: int, group=None) -> Transform
     h_idx = torch.arange(*p.hidden[rank])
     local_cfg = ModelConfig(**{**vars(c), "n_heads": len(p.q_heads[rank]), "n_kv_heads": len(p.kv_heads[rank]),
                                "hidden_dim": w, "head_dim": D})
-    local = empty_transformer(local_cfg)
+    with torch.device("meta"):
+        local = Transformer(local_cfg)
     state = {}
     full = model.state_dict()
     for name, t in full.items():
